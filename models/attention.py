@@ -1,0 +1,152 @@
+"""Attention backends over the paged KV cache.
+
+A backend object is built once per forward from the step's `AttentionMetadata` and called by
+every layer with that layer's q, k, v. It writes the new keys and values into the cache and
+attends over each sequence's keys. The torch backend runs everywhere (CPU, and fallback on
+CUDA); FlashInfer is used on CUDA when it is installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from kv.cache import KVCache
+
+
+class Attention(Protocol):
+    """Called by layer `layer` with q [T, Hq, D], k and v [T, Hkv, D]; returns [T, Hq, D]."""
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the T query tokens of one forward write their KV and which keys they see.
+
+    Sequences are padded to the longest one so that a layer's attention is one batched call.
+    Key j of sequence b lives at slot `kv_slots[b, j]`; a query sees key j when j <= its
+    position (causal by position, which holds for prefill, decode and chain verify) and
+    j < kv_lens[b], unless `mask` (a tree) says otherwise.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64, slot each token's K/V is written to
+    kv_slots: torch.Tensor  # [B, Lmax] int64, slot of each key (padding points at slot 0)
+    kv_lens: torch.Tensor  # [B] int64, number of keys of each sequence
+    q_index: torch.Tensor  # [T] int64, index of each token in the padded [B * Qmax] layout
+    q_positions: torch.Tensor  # [B, Qmax] int64, position of each padded query (0 for padding)
+    mask: torch.Tensor | None = None  # [B, Qmax, Lmax] bool; replaces the causal rule (trees)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.kv_slots.shape[0]
+
+    @property
+    def max_q(self) -> int:
+        return self.q_positions.shape[1]
+
+    def visible(self) -> torch.Tensor:
+        """[B, Qmax, Lmax] bool: which keys each padded query attends to."""
+        keys = torch.arange(self.kv_slots.shape[1], device=self.kv_slots.device)
+        in_seq = keys[None, None, :] < self.kv_lens[:, None, None]
+        if self.mask is not None:
+            return self.mask & in_seq
+        return (keys[None, None, :] <= self.q_positions[:, :, None]) & in_seq
+
+
+class TorchPagedAttention:
+    """Paged attention with torch ops: gather each sequence's keys, one SDPA call per layer."""
+
+    def __init__(self, meta: AttentionMetadata, cache: KVCache, num_q_heads: int):
+        self.meta = meta
+        self.cache = cache
+        self.write_rows = cache.key_rows(meta.slot_mapping)  # [T]
+        self.read_rows = cache.key_rows(meta.kv_slots)  # [B, Lmax]
+        group = num_q_heads // cache.num_kv_heads
+        b, qmax, lmax = meta.num_seqs, meta.max_q, meta.kv_slots.shape[1]
+        visible = meta.visible()  # [B, Qmax, Lmax]
+        # queries are laid out [B, Hkv, group * Qmax, D]; each group repeats the query rows
+        self.mask = visible[:, None, None].expand(b, 1, group, qmax, lmax)
+        self.mask = self.mask.reshape(b, 1, group * qmax, lmax)
+        self.group = group
+        self.value_offset = cache.page_size
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        store = self.cache.layer_rows(layer)  # [pages * 2 * page_size, Hkv, D]
+        store[self.write_rows] = k.to(store.dtype)
+        store[self.write_rows + self.value_offset] = v.to(store.dtype)
+        meta = self.meta
+        b, qmax = meta.num_seqs, meta.max_q
+        hq, d = q.shape[1], q.shape[2]
+        hkv = hq // self.group
+        q_pad = q.new_zeros(b * qmax, hq, d)
+        q_pad[meta.q_index] = q
+        q_pad = q_pad.view(b, qmax, hkv, self.group, d).permute(0, 2, 3, 1, 4)
+        q_pad = q_pad.reshape(b, hkv, self.group * qmax, d)
+        keys = store[self.read_rows].to(q.dtype).permute(0, 2, 1, 3)  # [B, Hkv, Lmax, D]
+        values = store[self.read_rows + self.value_offset].to(q.dtype).permute(0, 2, 1, 3)
+        out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=self.mask)
+        out = out.view(b, hkv, self.group, qmax, d).permute(0, 3, 1, 2, 4)
+        return out.reshape(b * qmax, hq, d)[meta.q_index]
+
+
+class CausalAttention:
+    """Dense causal attention over a [batch, seq] block of tokens with no cache (training)."""
+
+    def __init__(self, batch: int, seq: int):
+        self.batch, self.seq = batch, seq
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        b, s = self.batch, self.seq
+        hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+        group = hq // hkv
+        qb = q.view(b, s, hq, d).transpose(1, 2)
+        kb = k.view(b, s, hkv, d).transpose(1, 2).repeat_interleave(group, dim=1)
+        vb = v.view(b, s, hkv, d).transpose(1, 2).repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True)
+        return out.transpose(1, 2).reshape(b * s, hq, d)
+
+
+def paged_metadata(
+    qo_indptr: torch.Tensor,  # [B + 1]
+    kv_indptr: torch.Tensor,  # [B + 1]
+    kv_indices: torch.Tensor,  # [P]
+    kv_last_page_len: torch.Tensor,  # [B]
+    positions: torch.Tensor,  # [T]
+    slot_mapping: torch.Tensor,  # [T]
+    page_size: int,
+    max_q: int,
+    max_kv: int,
+    mask: torch.Tensor | None = None,  # [B, max_q, max_kv] bool
+) -> AttentionMetadata:
+    """The torch backend's padded form of FlashInfer's CSR metadata, built on the device."""
+    qo_indptr, kv_indptr = qo_indptr.long(), kv_indptr.long()
+    b = kv_last_page_len.shape[0]
+    num_pages = kv_indptr[1:] - kv_indptr[:-1]
+    kv_lens = (num_pages - 1) * page_size + kv_last_page_len.long()
+    j = torch.arange(max_kv, device=positions.device)
+    page_pos = (kv_indptr[:-1, None] + j[None, :] // page_size).clamp(max=max(len(kv_indices) - 1, 0))
+    kv_slots = kv_indices.long()[page_pos] * page_size + j[None, :] % page_size
+    kv_slots = torch.where(j[None, :] < kv_lens[:, None], kv_slots, torch.zeros_like(kv_slots))
+    t = torch.arange(positions.shape[0], device=positions.device)
+    seq = torch.searchsorted(qo_indptr[1:], t, right=True)
+    q_index = seq * max_q + (t - qo_indptr[seq])
+    q_positions = torch.zeros(b * max_q, dtype=torch.long, device=positions.device)
+    q_positions[q_index] = positions.long()
+    return AttentionMetadata(
+        slot_mapping=slot_mapping.long(),
+        kv_slots=kv_slots,
+        kv_lens=kv_lens,
+        q_index=q_index,
+        q_positions=q_positions.view(b, max_q),
+        mask=mask,
+    )

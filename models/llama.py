@@ -1,0 +1,191 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral) over a flat batch of tokens.
+
+The forward returns the hidden states after the final norm; the lm_head is applied only to
+the rows a caller asks for (`logits`), never to every prompt token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.attention import Attention
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict = field(default_factory=dict)  # {"rope_type": "llama3", ...} or empty
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 puts a bias on q, k and v
+    architecture: str = "LlamaForCausalLM"
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def num_params(self) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        layer = attn + 3 * h * i + 2 * h
+        heads = 1 if self.tie_word_embeddings else 2
+        return self.num_layers * layer + heads * self.vocab_size * h + h
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """[head_dim / 2] inverse frequencies, with llama3 scaling when configured."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    kind = cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type", "default"))
+    if kind == "llama3":
+        s = cfg.rope_scaling
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_len = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    elif kind != "default":
+        raise ValueError(f"unsupported rope type {kind!r}")
+    return inv_freq.float()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated by cos, sin [T, 1, D] (the rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        h, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(h, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Attention
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = rotate(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
+        k = rotate(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        return self.o_proj(attn(self.layer, q, k, v).reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int, input_norm: bool = True):
+        super().__init__()
+        self.input_layernorm: nn.Module = (
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm else nn.Identity()
+        )
+        self.self_attn = SelfAttention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Attention
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Rotary(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim] for positions [T]."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return angles.cos(), angles.sin()
+
+
+class LlamaModel(nn.Module):
+    """Parameter names follow Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        attn: Attention,
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Hidden states after the final norm [T, H], and the outputs of `aux_layers` [T, H]."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions)
+        aux = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, attn)
+            if i in aux_layers:
+                aux.append(x)
+        return self.norm(x), aux
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, vocab] for the chosen rows hidden [R, H]."""
+        return self.lm_head(hidden)

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The test command: set up .venv, then lint, type-check and run the test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/mypy engine stages kv models server.py client.py
+.venv/bin/python -m pytest -q "$@"
