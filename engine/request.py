@@ -103,8 +103,8 @@ class Request:
     seed: int
     arrival: float
     output_ids: list[int] = field(default_factory=list)
-    text_offset: int = 0
     finish_reason: FinishReason | None = None
+    inflight: int = 0  # scheduled steps whose tokens are not yet known on the host
 
     @property
     def num_tokens(self) -> int:

@@ -57,6 +57,8 @@ def build_csr(tables: list[PageTable], kv_lens: list[int], q_lens: list[int]) ->
     qo_indptr, kv_indptr, kv_indices, last = [0], [0], [], []
     for table, kv_len, q_len in zip(tables, kv_lens, q_lens, strict=True):
         num_pages = -(-kv_len // table.page_size)
+        if num_pages > len(table.pages):  # short indices would shift every later sequence
+            raise ValueError(f"{kv_len} slots do not fit in {len(table.pages)} pages")
         kv_indices.extend(table.pages[:num_pages])
         qo_indptr.append(qo_indptr[-1] + q_len)
         kv_indptr.append(kv_indptr[-1] + num_pages)

@@ -1,0 +1,110 @@
+"""Streams and events: ordered device work, and awaitable markers in it.
+
+A `Stream` runs submitted work in order on a worker thread. On CUDA the work is issued to a
+`torch.cuda.Stream`, so the thread only launches kernels; on the CPU the thread does the work
+itself (torch releases the GIL inside its ops). Order across streams comes only from events
+(`stream.wait(event)`), as on a GPU. An `Event` marks the end of one piece of work; the event
+loop awaits it without blocking, and its value is the work's return value.
+
+`delay` injects a random sleep before each piece of work, so that a missing wait between
+streams shows up as a wrong result in tests instead of passing by luck.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import random
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+
+class Event:
+    """The completion of one piece of stream work, with its return value."""
+
+    def __init__(self, future: Future, cuda_event: Any = None):
+        self.future = future
+        self.cuda_event = cuda_event
+
+    def done(self) -> bool:
+        if not self.future.done():
+            return False
+        return self.cuda_event is None or self.future.exception() is not None or (
+            self.cuda_event.query()
+        )
+
+    def result(self) -> Any:
+        """The work's value; blocks the calling thread (only stream work may call this)."""
+        value = self.future.result()
+        if self.cuda_event is not None:
+            self.cuda_event.synchronize()
+        return value
+
+    def __await__(self):
+        return self._wait().__await__()
+
+    async def _wait(self) -> Any:
+        value = await asyncio.wrap_future(self.future)
+        while self.cuda_event is not None and not self.cuda_event.query():
+            await asyncio.sleep(0.0002)
+        return value
+
+
+class Stream:
+    """Work submitted here runs in submission order, after the events it was told to wait for."""
+
+    def __init__(self, device: torch.device, name: str, delay: float = 0.0, seed: int = 0):
+        self.device = device
+        self.name = name
+        self.delay = delay
+        self._random = random.Random(seed)
+        self._cuda = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"stream-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Event:
+        future: Future = Future()
+        cuda_event = torch.cuda.Event() if self._cuda is not None else None
+        self._queue.put((fn, args, future, cuda_event))
+        return Event(future, cuda_event)
+
+    def wait(self, event: Event) -> None:
+        """Later work on this stream starts only after `event`."""
+
+        def wait_for() -> None:
+            event.future.result()
+            if event.cuda_event is not None and self._cuda is not None:
+                self._cuda.wait_event(event.cuda_event)
+
+        self.submit(wait_for)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        if self._cuda is not None:
+            torch.cuda.set_device(self.device)
+        torch.set_grad_enabled(False)
+        while (item := self._queue.get()) is not None:
+            fn, args, future, cuda_event = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            if self.delay:
+                threading.Event().wait(self._random.uniform(0, self.delay))
+            try:
+                if self._cuda is not None:
+                    with torch.cuda.stream(self._cuda):
+                        value = fn(*args)
+                        cuda_event.record(self._cuda)
+                else:
+                    value = fn(*args)
+            except BaseException as error:  # handed to whoever awaits the event
+                future.set_exception(error)
+            else:
+                future.set_result(value)

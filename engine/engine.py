@@ -1,0 +1,444 @@
+"""AsyncEngine: submit/abort/stream, and the step pipeline that serves them.
+
+A step runs plan -> draft -> verify -> sample -> refill -> publish. Plan runs on the event
+loop; the device stages are coroutines that hand each step to the compute stream in order
+and pass it on through asyncio queues; publish waits (without blocking the loop) for the
+step's tokens to reach the host. The plan of step N+1 needs only step N's accepted lengths
+(speculative decoding) or nothing of step N at all (plain decoding, which assumes every
+sequence grows by one), so it runs while the device still works on step N.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.device import Event, Stream
+from engine.metrics import EngineMetrics
+from engine.output import OutputStream
+from engine.request import (
+    Delta,
+    FinishReason,
+    InvalidRequest,
+    Overloaded,
+    Request,
+    SamplingParams,
+    TokenLogprob,
+)
+from engine.scheduler import Scheduler, Sequence
+from engine.trace import Tracer
+from kv.cache import KVCache
+from kv.pages import PageAllocator
+from models.loader import load_model
+from models.tokenizer import Tokenizer
+from stages.draft import Drafter, Drafts
+from stages.drafters import build_drafter
+from stages.history import TokenHistory
+from stages.plan import HostBuffers, Plan, make_plan, pack, unpack
+from stages.refill import RefillStage
+from stages.sample import SamplingTensors
+from stages.verdict import SampleStage
+from stages.verify import Verifier
+
+DEMO_DIR = Path(__file__).resolve().parent.parent / "models" / "demo"
+
+
+class RequestStream:
+    """Async iterator of a request's deltas; closing it early aborts the request."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str):
+        self.engine = engine
+        self.request_id = request_id
+        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self.done = False
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self.done:
+            raise StopAsyncIteration
+        delta = await self.queue.get()
+        self.done = delta.finish_reason is not None
+        return delta
+
+    async def aclose(self) -> None:
+        if not self.done:
+            self.engine.abort(self.request_id)
+            self.done = True
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        dtype = getattr(torch, config.dtype)
+        model_dir = Path(config.model) if config.model else DEMO_DIR / "target"
+        self.model = load_model(model_dir, dtype, self.device)
+        self.tokenizer = Tokenizer(model_dir)
+        self.model_name = model_dir.name if config.model else "tandem-demo"
+        cfg = self.model.config
+        self.vocab_size = cfg.vocab_size
+        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        spec = config.spec
+        self.k = spec.num_speculative_tokens if spec.enabled else 0
+        page_size = config.kv.page_size
+        num_pages = config.kv.num_pages or self._pages_for(config.kv.memory_bytes, dtype)
+        self.allocator = PageAllocator(num_pages)
+        self.cache = self._new_cache(self.model, num_pages, dtype)
+        self.history = TokenHistory(
+            config.max_running, self.max_model_len + 2 * self.k + 4, self.device
+        )
+        self.drafter: Drafter = build_drafter(spec, self, DEMO_DIR)
+        self.verifier = Verifier(self.model, self.cache, self.history)
+        self.sampler = SampleStage(self.history, self.vocab_size)
+        self.refiller = RefillStage(self.history, self.drafter)
+        self.scheduler = Scheduler(
+            self.allocator,
+            page_size,
+            config.max_running,
+            config.max_batch_tokens,
+            self.k + 1,
+            self.max_model_len,
+        )
+        self.metrics = EngineMetrics(self.k)
+        self._update_gauges()
+        self.tracer = Tracer(config.trace_file)
+        self.outputs: dict[str, OutputStream] = {}
+        self.streams: dict[str, RequestStream] = {}
+        self._ids = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        self._fault: Callable[[str, Plan], None] | None = None  # tests inject stage failures
+
+    def _pages_for(self, memory_bytes: int, dtype: torch.dtype) -> int:
+        cfg = self.model.config
+        per_page = KVCache.bytes_per_page(
+            cfg.num_layers, self.config.kv.page_size, cfg.num_kv_heads, cfg.head_dim, dtype
+        )
+        return max(1, memory_bytes // (2 * per_page))  # half for a drafter's cache
+
+    def _new_cache(self, model: Any, num_pages: int, dtype: torch.dtype) -> KVCache:
+        cfg = model.config
+        return KVCache(
+            cfg.num_layers,
+            num_pages,
+            self.config.kv.page_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype,
+            self.device,
+        )
+
+    # ---- the public interface ----
+
+    async def start(self) -> None:
+        delay, device = self.config.device_delay, self.device
+        self.compute = Stream(device, "compute", delay, seed=1)
+        self.h2d = Stream(device, "h2d", delay, seed=2)
+        self.d2h = Stream(device, "d2h", delay, seed=3)
+        self.host_buffers = HostBuffers(device)
+        self._wake = asyncio.Event()
+        self._step_submitted = asyncio.Event()
+        self._step_submitted.set()
+        self._published = -1  # the last step whose tokens reached the requests
+        self._last_publish = time.monotonic()
+        self._published_cond = asyncio.Condition()
+        self._completed: dict[int, Event] = {}  # step -> end of its device work
+        queues = [asyncio.Queue[Plan]() for _ in range(5)]
+        stages = [self._draft, self._verify, self._sample, self._refill]
+        self._tasks = [asyncio.create_task(self._plan_loop(queues[0]))]
+        for fn, inbox, outbox in zip(stages, queues, queues[1:], strict=False):
+            self._tasks.append(asyncio.create_task(self._device_stage(fn, inbox, outbox)))
+        self._tasks.append(asyncio.create_task(self._publish_loop(queues[4])))
+
+    async def stop(self) -> None:
+        for request_id in list(self.outputs):
+            self.abort(request_id)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        for stream in (self.compute, self.h2d, self.d2h):
+            stream.close()
+        self.tracer.close()
+
+    def submit(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> RequestStream:
+        """Queue a request; raises InvalidRequest or Overloaded at once."""
+        ids = self._prompt_ids(prompt)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                f"context length of {self.max_model_len} tokens"
+            )
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise Overloaded(f"{len(self.scheduler.waiting)} requests are already waiting")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.outputs:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else hash((self.config.seed, request_id))
+        request = Request(request_id, ids, params, seed, time.monotonic())
+        self.outputs[request_id] = OutputStream(request, self.tokenizer, self.max_model_len)
+        stream = self.streams[request_id] = RequestStream(self, request_id)
+        self.scheduler.add(request)
+        self.metrics.add_tokens(prompt=len(ids))
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """End a request now; its pages return once no queued step writes them."""
+        output = self.outputs.get(request_id)
+        if output is not None:
+            self._finish(output, output.finish(FinishReason.ABORT))
+
+    async def wait_idle(self) -> None:
+        """Until no step is in flight and every finished request's pages are back."""
+        while self._completed or self.scheduler.running or self.scheduler.waiting:
+            await asyncio.sleep(0.005)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams) -> list[Delta]:
+        """All deltas of one request (a convenience for tests and benchmarks)."""
+        return [delta async for delta in self.submit(prompt, params)]
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequest(f"token id {bad[0]!r} is outside the vocabulary")
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        return ids
+
+    # ---- the step pipeline ----
+
+    async def _plan_loop(self, outbox: asyncio.Queue[Plan]) -> None:
+        # Plain decoding may run one step ahead of the host; speculation needs the lengths.
+        lag = 2 if self.config.pipelined and not self.k else 1
+        for step in itertools.count():
+            async with self._published_cond:
+                await self._published_cond.wait_for(lambda s=step: self._published >= s - lag)
+            while (plan := self._plan(step)) is None:
+                await self._idle()
+            await self._upload(plan)
+            await outbox.put(plan)
+
+    async def _idle(self) -> None:
+        """Nothing to run: wait for a step to complete (its pages come back) or for news."""
+        if self._completed:
+            oldest = self._completed[min(self._completed)]
+            await asyncio.wait([asyncio.wrap_future(oldest.future)])
+            return
+        self._wake.clear()
+        await self._wake.wait()
+
+    def _plan(self, step: int) -> Plan | None:
+        start = time.perf_counter()
+        self._release_completed()
+        batch = self.scheduler.schedule(step)
+        if batch is None:
+            return None
+        k = self.k if batch.kind == "decode" else 0
+        plan = make_plan(batch, step, k, self.config.kv.page_size,
+                         self.drafter.host_drafts(batch.seqs, k) if k else None)
+        params = [s.request.params for s in batch.seqs]
+        plan.sampling = SamplingTensors.build(params, [s.request.seed for s in batch.seqs],
+                                              self.device)
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        plan.top_logprobs = max(wanted) if wanted else None
+        for seq, chunk, emits in zip(batch.seqs, batch.chunks, plan.emits, strict=True):
+            seq.request.inflight += 1
+            seq.num_prefilled += chunk
+            seq.num_pending += int(emits)
+        self.tracer.record(step, "plan", start, time.perf_counter(), batch_size=len(batch.seqs),
+                           num_tokens=plan.num_tokens, kind=batch.kind, k=k)
+        return plan
+
+    async def _upload(self, plan: Plan) -> None:
+        flat, layout = pack(plan.fields)
+        copied = await self.host_buffers.upload(plan.step, flat, self.h2d)
+        self.compute.wait(copied)
+        plan.uploaded = self.compute.submit(lambda: unpack(plan, copied.result(), layout))
+
+    async def _device_stage(
+        self, fn: Callable[[Plan], Any], inbox: asyncio.Queue[Plan], outbox: asyncio.Queue[Plan]
+    ) -> None:
+        """Hand each step's stage to the compute stream, in order, and pass the step on.
+
+        The compute stream runs work in submission order, so step N+1's first stage is
+        submitted only after step N's last: its inputs (tokens, KV) are written by step N."""
+        name = fn.__name__.strip("_")
+        first, last = fn == self._draft, fn == self._refill
+        while True:
+            plan = await inbox.get()
+            if first:
+                await self._step_submitted.wait()
+                self._step_submitted.clear()
+            plan.events[name] = self.compute.submit(self._traced, name, fn, plan)
+            if last:
+                self._step_submitted.set()
+            await outbox.put(plan)
+
+    def _traced(self, name: str, fn: Callable[[Plan], Any], plan: Plan) -> Any:
+        start = time.perf_counter()
+        if self._fault is not None:
+            self._fault(name, plan)
+        value = fn(plan)
+        self.tracer.record(plan.step, name, start, time.perf_counter(),
+                           batch_size=plan.batch_size, k=plan.k)
+        return value
+
+    def _draft(self, plan: Plan) -> Drafts:
+        dev = plan.device()
+        if plan.k == 0:
+            return Drafts(dev.host_drafts)
+        return self.drafter.propose(plan, dev)
+
+    def _verify(self, plan: Plan):
+        return self.verifier(plan, plan.device(), plan.events["draft"].result())
+
+    def _sample(self, plan: Plan):
+        events = plan.events
+        return self.sampler(plan, plan.device(), events["verify"].result(),
+                            events["draft"].result())
+
+    def _refill(self, plan: Plan) -> None:
+        events = plan.events
+        verdict = events["sample"].result()
+        self.refiller(plan, plan.device(), events["verify"].result(), verdict)
+
+    async def _publish_loop(self, inbox: asyncio.Queue[Plan]) -> None:
+        while True:
+            plan = await inbox.get()
+            self._completed[plan.step] = plan.events["refill"]
+            self.d2h.wait(plan.events["sample"])
+            download = self.d2h.submit(self._download, plan)
+            try:
+                host = await download
+            except Exception as error:  # a failed stage fails its step's requests only
+                self._fail_step(plan, error)
+            else:
+                self._publish(plan, host)
+            async with self._published_cond:
+                self._published = plan.step
+                self._published_cond.notify_all()
+            await asyncio.wait([asyncio.wrap_future(plan.events["refill"].future)])
+            self._release_completed()
+            self._update_gauges()
+            self._wake.set()
+
+    @staticmethod
+    def _download(plan: Plan) -> dict[str, list]:
+        verdict = plan.events["sample"].result()
+        host = {
+            "tokens": verdict.tokens.tolist(),
+            "emitted": verdict.num_emitted.tolist(),
+            "accepted": verdict.num_accepted.tolist(),
+        }
+        if verdict.logprobs is not None:
+            host["logprobs"] = verdict.logprobs.tolist()
+            host["top_ids"] = verdict.top_ids.tolist()
+            host["top_logprobs"] = verdict.top_logprobs.tolist()
+        return host
+
+    def _publish(self, plan: Plan, host: dict[str, list]) -> None:
+        now = time.monotonic()
+        for i, seq in enumerate(plan.seqs):
+            seq.request.inflight -= 1
+            seq.num_pending -= int(plan.emits[i])
+            emitted = host["emitted"][i]
+            seq.num_tokens += emitted
+            output = self.outputs.get(seq.request.request_id)
+            if output is None or seq.request.finish_reason is not None or not emitted:
+                continue  # finished at an earlier step: this step's extra token is dropped
+            if plan.k:
+                output.usage.spec_steps += 1
+                output.usage.draft_tokens += plan.num_drafts[i]
+                output.usage.accepted_tokens += host["accepted"][i]
+            tokens = host["tokens"][i][:emitted]
+            delta = output.add(tokens, self._logprobs(host, i, emitted, seq))
+            self._observe_latency(output, len(delta.token_ids), now)
+            self._send(delta)
+            if delta.finish_reason is not None:
+                self._finish(output, None)
+        if plan.k:
+            self.metrics.observe_spec(plan.num_drafts, host["accepted"])
+        self.metrics.observe_step(now - self._last_publish, plan.k)
+        self._last_publish = now
+        self._update_gauges()
+
+    def _observe_latency(self, output: OutputStream, num_tokens: int, now: float) -> None:
+        self.metrics.add_tokens(generated=num_tokens)
+        if output.last_token_time is None:
+            self.metrics.observe_ttft(now - output.request.arrival)
+        elif num_tokens:
+            for _ in range(num_tokens):
+                self.metrics.observe_inter_token((now - output.last_token_time) / num_tokens)
+        output.last_token_time = now
+
+    def _update_gauges(self) -> None:
+        allocator = self.allocator
+        self.metrics.set_requests(len(self.scheduler.running), len(self.scheduler.waiting))
+        self.metrics.set_kv_pages(allocator.num_pages - allocator.num_free, allocator.num_pages)
+
+    @staticmethod
+    def _logprobs(host: dict, i: int, n: int, seq: Sequence) -> list[TokenLogprob] | None:
+        want = seq.request.params.logprobs
+        if want is None or "logprobs" not in host:
+            return None
+        return [
+            TokenLogprob(
+                host["tokens"][i][j],
+                host["logprobs"][i][j],
+                list(zip(host["top_ids"][i][j][:want], host["top_logprobs"][i][j][:want],
+                         strict=True)),
+            )
+            for j in range(n)
+        ]
+
+    def _fail_step(self, plan: Plan, error: BaseException) -> None:
+        message = f"{type(error).__name__}: {error}"
+        for seq in plan.seqs:
+            seq.request.inflight -= 1
+            seq.num_pending -= 1 if seq.num_pending else 0
+            output = self.outputs.get(seq.request.request_id)
+            if output is not None:
+                self._finish(output, output.finish(FinishReason.ERROR, message))
+
+    def _send(self, delta: Delta) -> None:
+        stream = self.streams.get(delta.request_id)
+        if stream is not None:
+            stream.queue.put_nowait(delta)
+
+    def _finish(self, output: OutputStream, last: Delta | None) -> None:
+        """Forget a finished request and free its pages (after the steps that write them)."""
+        request = output.request
+        if last is not None:
+            self._send(last)
+        del self.outputs[request.request_id]
+        self.streams.pop(request.request_id, None)
+        if request in self.scheduler.waiting:
+            self.scheduler.waiting.remove(request)
+        for seq in list(self.scheduler.running):
+            if seq.request is request:
+                self.scheduler.release(seq, seq.last_step + 1)
+        self.metrics.finish(request.finish_reason or FinishReason.ABORT)
+        self._update_gauges()
+        self._wake.set()
+
+    def _release_completed(self) -> None:
+        for step, event in sorted(self._completed.items()):
+            if not event.done():
+                break
+            self.allocator.release(step)
+            del self._completed[step]

@@ -1,0 +1,166 @@
+"""Continuous batching: who runs in the next step, and the KV pages they need.
+
+A step is either a prefill step (prompt chunks of newly admitted requests) or a decode step
+(every running request, one token or one speculative draft each), never both, so that
+decodes keep speculating while requests arrive. After a prefill step the next step is a decode
+step whenever there are decodes, so arrivals cannot starve them.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.request import Request
+from kv.pages import OutOfPages, PageAllocator
+from kv.table import PageTable
+
+
+@dataclass
+class Sequence:
+    """Host-side state of one admitted request."""
+
+    request: Request
+    table: PageTable
+    row: int  # the request's row in the device's per-request buffers (token history, ...)
+    num_prefilled: int = 0  # tokens of `prefill_ids` whose KV is written
+    num_tokens: int = 0  # committed tokens as the host knows them (prompt + output)
+    num_pending: int = 0  # tokens that in-flight steps will add (plain decoding's look-ahead)
+    last_step: int = -1  # the last step that wrote this sequence's KV
+    prefill_ids: list[int] = field(default_factory=list)  # prompt (+ output after preemption)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_prefilled < len(self.prefill_ids)
+
+    @property
+    def planned_tokens(self) -> int:
+        return self.num_tokens + self.num_pending
+
+
+@dataclass
+class Batch:
+    kind: str  # "prefill" or "decode"
+    seqs: list[Sequence]
+    chunks: list[int]  # prefill: tokens of each sequence in this step; decode: 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        page_size: int,
+        max_running: int,
+        max_batch_tokens: int,
+        lookahead: int,
+        max_model_len: int,
+    ):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_running = max_running
+        self.max_batch_tokens = max_batch_tokens
+        self.lookahead = lookahead  # slots a decode step writes past the committed tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Sequence] = []
+        self.free_rows = list(range(max_running - 1, -1, -1))
+        self.num_preemptions = 0
+        self._last_kind = "decode"
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, step: int, lookahead: int | None = None) -> Batch | None:
+        """The next step's batch, with pages grown for what it writes; None when idle."""
+        lookahead = self.lookahead if lookahead is None else lookahead
+        decoding = [s for s in self.running if not s.prefilling and not self._exhausted(s)]
+        want_prefill = self.waiting or any(s.prefilling for s in self.running)
+        if want_prefill and (self._last_kind == "decode" or not decoding):
+            batch = self._schedule_prefill(step)
+            if batch is not None:
+                self._last_kind = "prefill"
+                return batch
+        if not decoding:
+            return None
+        self._last_kind = "decode"
+        batch = self._schedule_decode(step, lookahead)
+        return batch if batch.seqs else None
+
+    def _exhausted(self, seq: Sequence) -> bool:
+        """In-flight steps will take the sequence to its limit: nothing left to plan."""
+        generated = seq.planned_tokens - len(seq.request.prompt_ids)
+        return (
+            generated >= seq.request.params.max_tokens or seq.planned_tokens >= self.max_model_len
+        )
+
+    def _schedule_prefill(self, step: int) -> Batch | None:
+        seqs, chunks, budget = [], [], self.max_batch_tokens
+        for seq in [s for s in self.running if s.prefilling]:
+            if budget > 0 and self._grow(seq, budget, step, seqs, chunks):
+                budget -= chunks[-1]
+        # a preempted request waits until its in-flight steps have reported their tokens
+        while self.waiting and budget > 0 and self.free_rows and not self.waiting[0].inflight:
+            seq = self._admit(self.waiting[0])
+            if not self._grow(seq, budget, step, seqs, chunks):
+                self.free_rows.append(seq.row)
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            budget -= chunks[-1]
+        return Batch("prefill", seqs, chunks) if seqs else None
+
+    def _admit(self, request: Request) -> Sequence:
+        seq = Sequence(request, PageTable(self.page_size), self.free_rows.pop())
+        seq.prefill_ids = request.all_ids
+        seq.num_tokens = len(seq.prefill_ids)
+        return seq
+
+    def _grow(self, seq: Sequence, budget: int, step: int, seqs: list, chunks: list) -> bool:
+        chunk = min(budget, len(seq.prefill_ids) - seq.num_prefilled)
+        end = seq.num_prefilled + chunk
+        # the last chunk also reserves the slots of the first decode step
+        need = end + (self.lookahead + 1 if end == len(seq.prefill_ids) else 0)
+        try:
+            seq.table.grow(self.allocator, need)
+        except OutOfPages:
+            return False
+        seq.last_step = step
+        seqs.append(seq)
+        chunks.append(chunk)
+        return True
+
+    def _schedule_decode(self, step: int, lookahead: int) -> Batch:
+        seqs: list[Sequence] = []
+        decoding = [s for s in self.running if not s.prefilling and not self._exhausted(s)]
+        for seq in sorted(decoding, key=lambda s: s.request.arrival):
+            while seq in self.running:
+                try:
+                    seq.table.grow(self.allocator, seq.planned_tokens + lookahead)
+                    break
+                except OutOfPages:
+                    self._preempt(step, exclude=seqs + [seq])
+            if seq in self.running:
+                seq.last_step = step
+                seqs.append(seq)
+        return Batch("decode", seqs, [0] * len(seqs))
+
+    def _preempt(self, step: int, exclude: list[Sequence]) -> None:
+        """Free the youngest request's pages; it is recomputed from its tokens later."""
+        candidates = [s for s in self.running if s not in exclude] or exclude[-1:]
+        victim = max(candidates, key=lambda s: s.request.arrival)
+        self.release(victim, step)
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, victim.request, key=lambda r: r.arrival)
+
+    def release(self, seq: Sequence, step: int) -> None:
+        """Drop a sequence; its pages return once every step that wrote them has completed."""
+        if seq not in self.running:
+            return
+        self.running.remove(seq)
+        seq.table.truncate(self.allocator, 0, after_step=max(seq.last_step, step - 1))
+        self.free_rows.append(seq.row)

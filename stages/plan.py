@@ -1,0 +1,208 @@
+"""Plan: the host side of a step. Picks the batch and packs what the device needs.
+
+Everything the CPU knows about a step (positions, slots, page-table CSR, prompt tokens, n-gram
+drafts) goes into one int32 host buffer that reaches the device in one copy; tokens that exist
+only on the device (sampled, drafted) are gathered there. Host buffers are double-buffered:
+plan N+2 writes the buffer that step N copied from only after that copy has completed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.device import Event, Stream
+from engine.scheduler import Batch, Sequence
+from kv.table import build_csr
+from models.attention import AttentionMetadata, paged_metadata
+
+
+@dataclass
+class DevicePlan:
+    """The step's metadata on the device (unpacked from the uploaded buffer)."""
+
+    rows: torch.Tensor  # [B] each sequence's row in the per-request device buffers
+    input_ids: torch.Tensor  # [T] prefill tokens (decode steps gather theirs on the device)
+    positions: torch.Tensor  # [T]
+    target_meta: AttentionMetadata  # the target forward's attention over T tokens
+    logits_index: torch.Tensor  # [B * W] rows of T whose logits are verified (W = k + 1)
+    tail_slots: torch.Tensor  # [B, k + 2] slots of positions base .. base + k + 1
+    base: torch.Tensor  # [B] position of each sequence's last target input before the draft
+    emits: torch.Tensor  # [B] bool: the step samples a token for this sequence
+    emit_index: torch.Tensor  # [E] the sequences that emit (all of them in a decode step)
+    token_rows: torch.Tensor  # [T] each token's row in the per-request device buffers
+    num_drafts: torch.Tensor  # [B] draft tokens allowed per sequence (<= k)
+    prompt_lens: torch.Tensor  # [B] output tokens start here (penalties count them)
+    host_drafts: torch.Tensor  # [B, k] drafts proposed on the host (n-gram), -1 where none
+
+
+@dataclass
+class Plan:
+    """One step, as decided on the host."""
+
+    step: int
+    kind: str  # "prefill" or "decode"
+    seqs: list[Sequence]
+    k: int  # draft tokens per sequence (0: no speculation this step)
+    num_drafts: list[int]  # [B] per-sequence cap on accepted drafts (<= k)
+    base: list[int]  # [B] position of each sequence's last target input token
+    emits: list[bool]  # [B] whether the step samples a token for the sequence
+    page_size: int
+    uploaded: Event | None = None  # value: DevicePlan
+    events: dict[str, Event] = field(default_factory=dict)  # each device stage's completion
+    sampling: Any = None  # SamplingTensors of the batch, on the device
+    top_logprobs: int | None = None  # top-n logprobs wanted by some request of the batch
+    fields: dict = field(default_factory=dict)  # host-side sections, kept for tests and traces
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def width(self) -> int:
+        return self.k + 1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.fields.get("positions", ()))
+
+    def device(self) -> DevicePlan:
+        """The uploaded metadata; stream work only (it blocks until the upload is done)."""
+        assert self.uploaded is not None
+        return self.uploaded.result()
+
+
+class HostBuffers:
+    """Two int32 host buffers used in turn; each is reused only after its last upload."""
+
+    def __init__(self, device: torch.device, size: int = 1 << 16):
+        pin = device.type == "cuda"
+        self.buffers = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self.uploads: list[Event | None] = [None, None]
+        self.device = device
+
+    async def upload(self, step: int, values: list[int], stream: Stream) -> Event:
+        """Copy `values` to the device through buffer step % 2; the event's value is the copy."""
+        i = step % 2
+        if self.uploads[i] is not None:
+            await self.uploads[i]  # its previous copy must have read the buffer
+        if len(values) > self.buffers[i].numel():
+            pin = self.device.type == "cuda"
+            self.buffers[i] = torch.zeros(2 * len(values), dtype=torch.int32, pin_memory=pin)
+        host = self.buffers[i]
+        host[: len(values)] = torch.tensor(values, dtype=torch.int32)
+        n, device = len(values), self.device
+        event = stream.submit(lambda: host[:n].to(device, non_blocking=True).clone())
+        self.uploads[i] = event
+        return event
+
+
+def make_plan(batch: Batch, step: int, k: int, page_size: int, host_drafts=None) -> Plan:
+    """Host-side sections of a step; `host_drafts` [B][<= k] come from an n-gram drafter."""
+    if batch.kind == "prefill":
+        return _prefill_plan(batch, step, page_size)
+    return _decode_plan(batch, step, k, page_size, host_drafts)
+
+
+def _prefill_plan(batch: Batch, step: int, page_size: int) -> Plan:
+    ids, positions, slots, logits_index, base, emits, kv_lens = [], [], [], [], [], [], []
+    for seq, chunk in zip(batch.seqs, batch.chunks, strict=True):
+        start, end = seq.num_prefilled, seq.num_prefilled + chunk
+        ids += seq.prefill_ids[start:end]
+        positions += range(start, end)
+        slots += seq.table.slots(start, end)
+        logits_index.append(len(positions) - 1)
+        final = end == len(seq.prefill_ids)
+        emits.append(final)
+        base.append(end - 1)
+        kv_lens.append(end + 1 if final else end)  # a final chunk's tail: the sampled token
+    plan = Plan(step, "prefill", batch.seqs, 0, [0] * len(emits), base, emits, page_size)
+    tails = [[s.table.slot(b), s.table.slot(b + 1) if e else 0] for s, b, e in
+             zip(batch.seqs, base, emits, strict=True)]
+    plan.fields = _sections(plan, ids, positions, slots, batch.chunks, kv_lens, logits_index,
+                            tails, [[]] * len(emits))
+    return plan
+
+
+def _decode_plan(batch: Batch, step: int, k: int, page_size: int, host_drafts) -> Plan:
+    positions, slots, logits_index, base, num_drafts, tails, kv_lens = [], [], [], [], [], [], []
+    for i, seq in enumerate(batch.seqs):
+        n = seq.planned_tokens
+        remaining = seq.request.params.max_tokens - (n - len(seq.request.prompt_ids))
+        cap = seq.request.params.num_speculative_tokens
+        num_drafts.append(max(0, min(k, remaining - 1, k if cap is None else cap)))
+        base.append(n - 1)
+        positions += range(n - 1, n + k)
+        slots += seq.table.slots(n - 1, n + k)
+        logits_index += range(i * (k + 1), (i + 1) * (k + 1))
+        tails.append(seq.table.slots(n - 1, n + k + 1))
+        kv_lens.append(n + k + 1)
+    drafts = host_drafts or [[]] * len(base)
+    plan = Plan(step, "decode", batch.seqs, k, num_drafts, base, [True] * len(base), page_size)
+    plan.fields = _sections(plan, [], positions, slots, [k + 1] * len(base), kv_lens,
+                            logits_index, tails, drafts)
+    return plan
+
+
+def _sections(plan, ids, positions, slots, q_lens, kv_lens, logits_index, tails, drafts):
+    csr = build_csr([s.table for s in plan.seqs], kv_lens, q_lens)
+    width = plan.k + 2
+    return {
+        "rows": [s.row for s in plan.seqs],
+        "input_ids": ids,
+        "positions": positions,
+        "slot_mapping": slots,
+        "qo_indptr": csr.qo_indptr,
+        "kv_indptr": csr.kv_indptr,
+        "kv_indices": csr.kv_indices,
+        "kv_last_page_len": csr.kv_last_page_len,
+        "logits_index": logits_index,
+        "tail_slots": [x for t in tails for x in (t + [0] * width)[:width]],
+        "base": plan.base,
+        "emits": [int(e) for e in plan.emits],
+        "emit_index": [i for i, e in enumerate(plan.emits) if e],
+        "num_drafts": plan.num_drafts,
+        "prompt_lens": [len(s.request.prompt_ids) for s in plan.seqs],
+        "host_drafts": [x for d in drafts for x in (list(d) + [-1] * plan.k)[: plan.k]],
+        "_max_q": [max(q_lens, default=1)],
+        "_max_kv": [max(kv_lens, default=1)],
+    }
+
+
+def pack(sections: dict[str, list[int]]) -> tuple[list[int], dict[str, tuple[int, int]]]:
+    """One flat int list and each section's (offset, length) in it."""
+    flat: list[int] = []
+    layout = {}
+    for name, values in sections.items():
+        layout[name] = (len(flat), len(values))
+        flat += values
+    return flat, layout
+
+
+def unpack(plan: Plan, buffer: torch.Tensor, layout: dict[str, tuple[int, int]]) -> DevicePlan:
+    """Device tensors from the uploaded buffer; runs as device work after the upload."""
+    buf = buffer.long()
+    t = {name: buf[off : off + n] for name, (off, n) in layout.items()}
+    b, width = plan.batch_size, plan.k + 2
+    meta = paged_metadata(
+        t["qo_indptr"], t["kv_indptr"], t["kv_indices"], t["kv_last_page_len"],
+        t["positions"], t["slot_mapping"], plan.page_size,
+        int(plan.fields["_max_q"][0]), int(plan.fields["_max_kv"][0]),
+    )
+    return DevicePlan(
+        rows=t["rows"],
+        input_ids=t["input_ids"],
+        positions=t["positions"],
+        target_meta=meta,
+        logits_index=t["logits_index"],
+        tail_slots=t["tail_slots"].view(b, width),
+        base=t["base"],
+        emits=t["emits"].bool(),
+        emit_index=t["emit_index"],
+        token_rows=t["rows"][torch.div(meta.q_index, meta.max_q, rounding_mode="floor")],
+        num_drafts=t["num_drafts"],
+        prompt_lens=t["prompt_lens"],
+        host_drafts=t["host_drafts"].view(b, plan.k),
+    )

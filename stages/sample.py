@@ -1,0 +1,384 @@
+"""Logits processing, sampling and the lossless acceptance rules: tensors in, tensors out.
+
+No shared random generator: every uniform is a hash of (request seed, absolute token position,
+purpose salt), so a request draws the same numbers whatever else is in the batch. The token
+emitted at position P always comes from `sample(p, seed, P, SALT_SAMPLE)`; with point-mass
+drafts (argmax, n-gram, a tree's children) the acceptance rule is realised through that very
+sample, so speculation then emits the same tokens as plain decoding with the same seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import SamplingParams
+
+SALT_SAMPLE = 0  # the token emitted at a position: plain decode, bonus, recovered, tree
+SALT_ACCEPT = 1  # the accept test of a sampled draft token
+SALT_DRAFT = 2  # for drafters that sample q; must stay apart from the two above
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters of a batch, on the device.
+
+    The flags are host-side summaries (no device sync to read them) that let callers skip
+    work; their defaults are the safe ones for tensors built by hand.
+    """
+
+    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    top_k: torch.Tensor  # [B] int64, 0 = off
+    top_p: torch.Tensor  # [B] float32, 1 = off
+    min_p: torch.Tensor  # [B] float32, 0 = off
+    presence_penalty: torch.Tensor  # [B] float32
+    frequency_penalty: torch.Tensor  # [B] float32
+    repetition_penalty: torch.Tensor  # [B] float32, 1 = off
+    seeds: torch.Tensor  # [B] int64
+    all_greedy: bool = False
+    any_greedy: bool = True
+    any_penalty: bool = True
+    any_top_k_or_p: bool = True  # among the sampled rows
+    any_min_p: bool = True  # among the sampled rows
+
+    @classmethod
+    def build(
+        cls, params: list[SamplingParams], seeds: list[int], device: torch.device | str
+    ) -> SamplingTensors:
+        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        f32 = torch.float32
+        sampled = [p for p in params if not p.greedy]
+        return cls(
+            temperature=column([p.temperature for p in params], f32),
+            top_k=column([p.top_k for p in params], torch.int64),
+            top_p=column([p.top_p for p in params], f32),
+            min_p=column([p.min_p for p in params], f32),
+            presence_penalty=column([p.presence_penalty for p in params], f32),
+            frequency_penalty=column([p.frequency_penalty for p in params], f32),
+            repetition_penalty=column([p.repetition_penalty for p in params], f32),
+            # any Python int seed, wrapped into int64 (two's complement)
+            seeds=column([(s + 2**63) % 2**64 - 2**63 for s in seeds], torch.int64),
+            all_greedy=not sampled,
+            any_greedy=len(sampled) < len(params),
+            any_penalty=any(
+                p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+                for p in params
+            ),
+            any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in sampled),
+            any_min_p=any(p.min_p > 0 for p in sampled),
+        )
+
+
+@dataclass
+class PenaltyState:
+    """What the penalties count, per row: token counts of the output so far and which tokens
+    the prompt holds."""
+
+    output_counts: torch.Tensor  # [B, V] float32 (whole numbers)
+    prompt_mask: torch.Tensor  # [B, V] bool
+
+    @classmethod
+    def build(
+        cls,
+        prompts: list[list[int]],
+        outputs: list[list[int]],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> PenaltyState:
+        def rows_and_ids(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+            rows = [i for i, ids in enumerate(seqs) for _ in ids]
+            flat = [t for ids in seqs for t in ids]
+            as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)
+            return as_tensor(rows), as_tensor(flat)
+
+        shape = (len(prompts), vocab_size)
+        counts = torch.zeros(shape, dtype=torch.float32, device=device)
+        rows, ids = rows_and_ids(outputs)
+        counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+        prompt_mask = torch.zeros(shape, dtype=torch.bool, device=device)
+        rows, ids = rows_and_ids(prompts)
+        prompt_mask[rows, ids] = True
+        return cls(counts, prompt_mask)
+
+
+# ---- random numbers: murmur3 over 32-bit words held in int64, never overflowing ----
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    # x * c mod 2^32 with c split in 16-bit halves: every product stays below 2^49
+    low = x * (c & 0xFFFF)
+    high = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (low + high) & _MASK32
+
+
+def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
+    return ((x << r) & _MASK32) | (x >> (32 - r))
+
+
+def _murmur3(words: list[torch.Tensor], seed: int) -> torch.Tensor:
+    """MurmurHash3 (x86, 32-bit) of equal-shaped tensors of 32-bit words, elementwise."""
+    h = torch.full_like(words[0], seed & _MASK32)
+    for k in words:
+        k = _mul32(_rotl32(_mul32(k, 0xCC9E2D51), 15), 0x1B873593)
+        h = (_rotl32(h ^ k, 13) * 5 + 0xE6546B64) & _MASK32
+    h = h ^ (4 * len(words))
+    h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
+    h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def uniform(seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Tensor:
+    """Uniforms in the open interval (0, 1), float64, one per element of `positions`.
+
+    seeds: [B] int64; positions: [B] or [B, S] int64; salt in [0, 2^32). A pure function of
+    (seed, position, salt): (h + 1/2) / 2^32 for h the murmur3 hash of the four 32-bit halves
+    of seed and position, keyed by the salt. 32 bits put every probability within 2^-32 of
+    its exact value, far below float32 rounding of the probabilities themselves.
+    """
+    seeds = seeds.reshape(-1, *([1] * (positions.dim() - 1))).expand_as(positions)
+    words = [w & _MASK32 for w in (seeds, seeds >> 32, positions, positions >> 32)]
+    return (_murmur3(words, salt).double() + 0.5) * 2.0**-32
+
+
+# ---- logits processing ----
+
+
+def process_logits(
+    logits: torch.Tensor,
+    st: SamplingTensors,
+    penalties: PenaltyState | None = None,
+    draft_tokens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Target (or drafter) logits -> the distributions the acceptance rules compare.
+
+    logits: [B, S, V]; draft_tokens: [B, S-1] int64, the tokens before positions 1..S-1
+    (-1 for padding). Returns probabilities [B, S, V] float32 after, in this order: penalties
+    (position j counts the output so far plus draft tokens 0..j-1, so that verifying k drafts
+    sees what k plain steps would see), temperature, top-k (ties with the k-th kept), top-p,
+    min-p. Greedy rows are one-hot at the argmax of the penalised logits.
+    """
+    logits = logits.float()
+    if penalties is not None and st.any_penalty:
+        logits = _apply_penalties(logits, st, penalties, draft_tokens)
+    vocab = logits.shape[-1]
+    if st.all_greedy:
+        return _one_hot(logits.argmax(-1), vocab)
+    greedy = st.temperature == 0  # [B]
+    greedy_probs = _one_hot(logits.argmax(-1), vocab) if st.any_greedy else None
+    temperature = torch.where(greedy, 1.0, st.temperature)
+    logits = logits / temperature[:, None, None]
+    if st.any_top_k_or_p:
+        logits = _top_k_top_p(logits, st.top_k, st.top_p)
+    probs = logits.softmax(-1)
+    if st.any_min_p:
+        probs = _min_p(probs, st.min_p)
+    if greedy_probs is not None:
+        probs = torch.where(greedy[:, None, None], greedy_probs, probs)
+    return probs
+
+
+def _one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(tokens, vocab).float()
+
+
+def _apply_penalties(
+    logits: torch.Tensor,  # [B, S, V]
+    st: SamplingTensors,
+    penalties: PenaltyState,
+    draft_tokens: torch.Tensor | None,  # [B, S-1]
+) -> torch.Tensor:
+    """vLLM's rules: repetition on prompt + output tokens (divide positive logits, multiply
+    negative ones), then frequency and presence on output tokens."""
+    batch, steps, vocab = logits.shape
+    counts = penalties.output_counts[:, None, :].expand(batch, steps, vocab)
+    if steps > 1:
+        if draft_tokens is None:
+            raise ValueError("penalties over several positions need the draft tokens")
+        counts = counts + _prefix_counts(draft_tokens, steps, vocab)
+    in_output = counts > 0
+    seen = in_output | penalties.prompt_mask[:, None, :]
+    rep = st.repetition_penalty[:, None, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - st.frequency_penalty[:, None, None] * counts
+    return logits - st.presence_penalty[:, None, None] * in_output
+
+
+def _prefix_counts(draft_tokens: torch.Tensor, steps: int, vocab: int) -> torch.Tensor:
+    """[B, S, V]: how often each token occurs among draft tokens 0..j-1, for position j."""
+    batch = draft_tokens.shape[0]
+    valid = (draft_tokens >= 0).float()[..., None]  # [B, S-1, 1]
+    step_counts = torch.zeros(batch, steps, vocab, device=draft_tokens.device)
+    # draft token j precedes position j+1
+    step_counts[:, 1:].scatter_(2, draft_tokens.clamp(min=0)[..., None], valid)
+    return step_counts.cumsum(1)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf what top-k, then top-p (the smallest prefix of mass >= top_p), remove.
+
+    One stable sort serves both; rows with top_k = 0 and top_p = 1 are left whole."""
+    batch, steps, vocab = logits.shape
+    ordered, order = logits.sort(dim=-1, descending=True, stable=True)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # [B]
+    kth = ordered.gather(-1, (k - 1).view(batch, 1, 1).expand(batch, steps, 1))
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    probs = ordered.softmax(-1)
+    mass_before = probs.cumsum(-1) - probs  # the first token always has 0 before it
+    # top_p = 1 must keep the tail whatever cumsum's rounding does
+    limit = torch.where(top_p < 1, top_p, float("inf"))[:, None, None]
+    ordered = ordered.masked_fill(mass_before >= limit, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, ordered)
+
+
+def _min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens below min_p times the most likely token's probability; renormalise."""
+    floor = min_p[:, None, None] * probs.amax(-1, keepdim=True)
+    probs = probs.masked_fill(probs < floor, 0.0)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+# ---- sampling ----
+
+
+def sample(
+    probs: torch.Tensor,  # [B, V], need not sum to 1
+    seeds: torch.Tensor,  # [B] int64
+    positions: torch.Tensor,  # [B] int64, absolute position of the token drawn
+    salt: int = SALT_SAMPLE,
+) -> torch.Tensor:
+    """[B] int64: one draw per row by inverse CDF, the first index whose cdf exceeds u * total.
+
+    Only tokens with positive probability can come out: u * total is kept below the total, and
+    if cumsum's rounding still lands on a zero-probability token the row takes its argmax."""
+    vocab = probs.shape[-1]
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    u = uniform(seeds, positions, salt).to(cdf.dtype)[:, None]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=vocab - 1)
+    drawn = probs.gather(1, tokens[:, None]).squeeze(1) > 0
+    return torch.where(drawn, tokens, probs.argmax(-1))
+
+
+def chain_verify(
+    target_probs: torch.Tensor,  # [B, k+1, V] processed target distributions
+    draft_tokens: torch.Tensor,  # [B, k] int64
+    draft_probs: torch.Tensor | None,  # [B, k, V] processed q; None: point-mass drafts
+    num_drafts: torch.Tensor,  # [B] int64, k_r <= k; draft positions past k_r are ignored
+    seeds: torch.Tensor,  # [B] int64
+    positions: torch.Tensor,  # [B] int64, absolute position of the first token emitted
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chain acceptance rule. Returns (tokens [B, k+1] int64, -1 padded; num_accepted [B]).
+
+    Row r emits num_accepted + 1 tokens: the accepted drafts, then the recovered token (first
+    rejection) or the bonus token (all k_r accepted, drawn from p at position k_r).
+
+    Sampled drafts: accept x with probability min(1, p(x)/q(x)), recover from
+    norm(max(0, p - q)). Point-mass drafts: accept x with probability p(x), else emit a draw
+    of p with p(x) set to 0; realised by drawing t from p and accepting x iff t == x (t is
+    then the emitted token), which has exactly that law. Greedy rows (one-hot p) accept
+    while x is the argmax, under either rule.
+    """
+    batch, width, vocab = target_probs.shape
+    k = width - 1
+    steps = torch.arange(width, device=target_probs.device)
+    in_draft = steps[:k] < num_drafts[:, None]  # [B, k]
+    drafts = draft_tokens.clamp(min=0)
+    if draft_probs is None or k == 0:
+        pos = (positions[:, None] + steps).reshape(-1)
+        drawn = sample(target_probs.reshape(-1, vocab), seeds.repeat_interleave(width), pos)
+        drawn = drawn.view(batch, width)
+        num_accepted = _run_length((drawn[:, :k] == drafts) & in_draft)
+        return torch.where(steps <= num_accepted[:, None], drawn, -1), num_accepted
+
+    p_x = target_probs[:, :k].gather(2, drafts[..., None]).squeeze(2)  # [B, k]
+    q_x = draft_probs.gather(2, drafts[..., None]).squeeze(2)  # [B, k]
+    u = uniform(seeds, positions[:, None] + steps[:k], SALT_ACCEPT)  # [B, k]
+    num_accepted = _run_length((u * q_x < p_x) & in_draft)  # u < p/q, never when p(x) = 0
+
+    rows = torch.arange(batch, device=target_probs.device)
+    p = target_probs[rows, num_accepted]  # [B, V]
+    rejected = (num_accepted < num_drafts)[:, None]
+    q = draft_probs[rows, num_accepted.clamp(max=k - 1)] * rejected
+    residual = (p - q).clamp(min=0)
+    # p == q leaves no residual; a rejection then has probability 0 up to rounding
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+    last = sample(residual, seeds, positions + num_accepted)
+    tokens = torch.cat([drafts, last[:, None]], 1)
+    tokens = torch.where(steps < num_accepted[:, None], tokens, -1)
+    return tokens.scatter(1, num_accepted[:, None], last[:, None]), num_accepted
+
+
+def _run_length(accepted: torch.Tensor) -> torch.Tensor:
+    """[B, k] bool -> [B] int64: how many leading positions are True."""
+    return accepted.long().cumprod(1).sum(1)
+
+
+def tree_verify(
+    target_probs: torch.Tensor,  # [B, N+1, V]: row 0 the root (last token), row i+1 node i
+    node_tokens: torch.Tensor,  # [B, N] int64 (-1: padding, never accepted)
+    parents: torch.Tensor,  # [B, N] int64, parent node index, -1: child of the root
+    seeds: torch.Tensor,  # [B] int64
+    positions: torch.Tensor,  # [B] int64, absolute position of the first token emitted
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tree acceptance rule, children as point masses.
+
+    Returns (tokens [B, depth+1] int64 -1 padded, num_accepted [B], path [B, depth] accepted
+    node indices -1 padded), depth being the tree's. From the root, the children of the
+    current node are tried in index order, child c accepted with probability p(c), p(c) := 0
+    and renormalised after each rejection; if none is accepted a draw of the remaining p is
+    emitted. Drawing t from p and accepting the first child whose token is t has exactly
+    that law, and emits what plain decoding with the same seed would.
+    """
+    batch = target_probs.shape[0]
+    depth = _tree_depth(parents)
+    rows = torch.arange(batch, device=target_probs.device)
+    current = torch.full_like(rows, -1)  # node index, -1: the root
+    active = torch.ones_like(rows, dtype=torch.bool)
+    tokens = torch.full((batch, depth + 1), -1, dtype=torch.int64, device=rows.device)
+    path = torch.full((batch, depth), -1, dtype=torch.int64, device=rows.device)
+    for d in range(depth + 1):
+        drawn = sample(target_probs[rows, current + 1], seeds, positions + d)
+        tokens[:, d] = torch.where(active, drawn, -1)
+        if d == depth:
+            break
+        hit = (parents == current[:, None]) & (node_tokens == drawn[:, None]) & active[:, None]
+        found = hit.any(1)
+        child = hit.int().argmax(1)  # the first hit in index order
+        path[:, d] = torch.where(found, child, -1)
+        current = torch.where(found, child, current)
+        active = active & found
+    return tokens, (path >= 0).sum(1), path
+
+
+def _tree_depth(parents: torch.Tensor) -> int:
+    """Depth of the deepest node (children of the root have depth 1); 0 for no nodes."""
+    nodes = parents.shape[1]
+    if nodes == 0:
+        return 0
+    depth = torch.ones_like(parents)
+    for _ in range(nodes):  # a forest of n nodes settles after n rounds
+        above = depth.gather(1, parents.clamp(min=0))
+        depth = torch.where(parents >= 0, above + 1, 1)
+    return int(depth.max())
+
+
+def logprobs(
+    logits: torch.Tensor,  # [B, V] raw model logits
+    tokens: torch.Tensor,  # [B] int64, the tokens emitted
+    n: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities under the raw model distribution (log_softmax of the unprocessed
+    logits: no penalties, temperature or truncation), as OpenAI reports them.
+
+    Returns (chosen [B] float32, top_ids [B, n] int64, top_logprobs [B, n] float32), best
+    first."""
+    log_probs = torch.log_softmax(logits.float(), -1)
+    chosen = log_probs.gather(1, tokens[:, None]).squeeze(1)
+    top_logprobs, top_ids = log_probs.topk(n, dim=-1)
+    return chosen, top_ids, top_logprobs
