@@ -1,0 +1,156 @@
+"""Our loader and paged forward against Hugging Face transformers on its own checkpoints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from kv.cache import KVCache
+from kv.table import PageTable, build_csr
+from models.attention import CausalAttention, TorchPagedAttention, paged_metadata
+from models.llama import LlamaModel
+from models.loader import checkpoint_dtype, load_model, read_config, read_safetensors
+
+VOCAB = 96
+TOLERANCE = 1e-4
+COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,  # puts one of head_dim 16's frequencies in the band
+}
+
+
+def hf_config(arch: str) -> transformers.PretrainedConfig:
+    if arch == "llama":
+        # the older keys, which transformers 4.x and 5.x both take
+        rope: dict[str, Any] = {"rope_scaling": LLAMA3_ROPE, "rope_theta": 50000.0}
+        return transformers.LlamaConfig(**COMMON, **rope)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**COMMON, tie_word_embeddings=True)
+    return transformers.MistralConfig(**COMMON, head_dim=24, sliding_window=None)
+
+
+def hf_model(arch: str) -> transformers.PreTrainedModel:
+    """A random model whose every weight (norms and biases too) matters to the logits."""
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(arch))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.3)
+    return model.eval()
+
+
+def hf_logits(model: transformers.PreTrainedModel, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), vocab] logits of one sequence."""
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+class PagedRunner:
+    """Runs steps of a batch through the paged cache, pages handed out in a shuffled order."""
+
+    def __init__(self, model: LlamaModel, num_seqs: int, page_size: int = 4, num_pages: int = 48):
+        cfg = model.config
+        self.model = model
+        self.cache = KVCache(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        self.free = torch.randperm(num_pages).tolist()
+        self.tables = [PageTable(page_size) for _ in range(num_seqs)]
+        self.tokens: list[list[int]] = [[] for _ in range(num_seqs)]
+
+    def step(self, chunks: list[list[int]]) -> list[torch.Tensor]:
+        """Append chunk b to sequence b; the logits of each chunk's tokens [len(chunk), vocab]."""
+        starts = [len(t) for t in self.tokens]
+        for table, tokens, chunk in zip(self.tables, self.tokens, chunks, strict=True):
+            tokens.extend(chunk)
+            while table.capacity < len(tokens):
+                table.pages.append(self.free.pop())
+        kv_lens = [len(t) for t in self.tokens]
+        csr = build_csr(self.tables, kv_lens, [len(c) for c in chunks])
+        spans = [range(s, s + len(c)) for s, c in zip(starts, chunks, strict=True)]
+        positions = [p for span in spans for p in span]
+        slots = [t.slot(p) for t, span in zip(self.tables, spans, strict=True) for p in span]
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32)
+
+        meta = paged_metadata(
+            ints(csr.qo_indptr),
+            ints(csr.kv_indptr),
+            ints(csr.kv_indices),
+            ints(csr.kv_last_page_len),
+            ints(positions),
+            ints(slots),
+            page_size=self.cache.page_size,
+            max_q=max(len(c) for c in chunks),
+            max_kv=max(kv_lens),
+        )
+        attn = TorchPagedAttention(meta, self.cache, self.model.config.num_heads)
+        ids = torch.tensor([t for c in chunks for t in c])
+        with torch.no_grad():
+            hidden, _ = self.model(ids, ints(positions), attn)
+            logits = self.model.logits(hidden)  # [T, vocab]
+        return list(logits.split([len(c) for c in chunks]))
+
+
+def random_chunks(lengths: list[int]) -> list[list[int]]:
+    return [torch.randint(0, VOCAB, (n,)).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_paged_prefill_decode_verify_match_transformers(tmp_path, arch):
+    reference = hf_model(arch)
+    reference.save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    runner = PagedRunner(model, num_seqs=3)
+    # ragged prefill (lengths end mid-page), three batched decodes, two verify chunks
+    schedule = [[7, 3, 10]] + [[1, 1, 1]] * 3 + [[3, 5, 4], [5, 4, 3]]
+    outputs: list[tuple[int, int, torch.Tensor]] = []  # (sequence, first position, logits)
+    for lengths in schedule:
+        starts = [len(t) for t in runner.tokens]
+        logits = runner.step(random_chunks(lengths))
+        outputs.extend(zip(range(3), starts, logits, strict=True))
+    expected = [hf_logits(reference, tokens) for tokens in runner.tokens]
+    for seq, start, got in outputs:
+        want = expected[seq][start : start + len(got)]
+        assert (got - want).abs().max().item() <= TOLERANCE, (arch, seq, start)
+    assert expected[0].abs().max() > 1.0  # the check is not vacuous
+
+
+def test_tied_embeddings_stay_tied(tmp_path):
+    hf_model("qwen2").save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert not model.training
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_bfloat16_checkpoint_loads_as_float32(tmp_path):
+    hf_model("llama").to(torch.bfloat16).save_pretrained(tmp_path)
+    assert checkpoint_dtype(read_config(tmp_path)) == torch.bfloat16
+    assert read_safetensors(tmp_path)["model.norm.weight"].dtype == torch.bfloat16
+    model = load_model(tmp_path, dtype=torch.float32)
+    # a fresh float32 load: converting the bf16 model back would keep its bf16 rotary buffer
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    tokens = torch.randint(0, VOCAB, (12,))
+    with torch.no_grad():
+        hidden, _ = model(tokens, torch.arange(12), CausalAttention(1, 12))
+        got = model.logits(hidden)
+    want = hf_logits(reference, tokens.tolist())
+    assert (got - want).abs().max().item() <= TOLERANCE
