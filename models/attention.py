@@ -39,6 +39,7 @@ class AttentionMetadata:
     kv_slots: torch.Tensor  # [B, Lmax] int64, slot of each key (padding points at slot 0)
     kv_lens: torch.Tensor  # [B] int64, number of keys of each sequence
     q_index: torch.Tensor  # [T] int64, index of each token in the padded [B * Qmax] layout
+    # (tokens come sequence by sequence, in the order qo_indptr gives them)
     q_positions: torch.Tensor  # [B, Qmax] int64, position of each padded query (0 for padding)
     mask: torch.Tensor | None = None  # [B, Qmax, Lmax] bool; replaces the causal rule (trees)
 
@@ -60,13 +61,24 @@ class AttentionMetadata:
 
 
 class TorchPagedAttention:
-    """Paged attention with torch ops: gather each sequence's keys, one SDPA call per layer."""
+    """Paged attention with torch ops: gather each sequence's keys, one SDPA call per layer.
+
+    Everything that does not depend on the layer (rows to write and read, the mask, the gather
+    buffer) is built once here; a layer call is two row writes, one gather of its keys and
+    values, and SDPA.
+    """
 
     def __init__(self, meta: AttentionMetadata, cache: KVCache, num_q_heads: int):
         self.meta = meta
         self.cache = cache
-        self.write_rows = cache.key_rows(meta.slot_mapping)  # [T]
-        self.read_rows = cache.key_rows(meta.kv_slots)  # [B, Lmax]
+        ps = cache.page_size
+        write = cache.key_rows(meta.slot_mapping).long()  # [T]
+        self.write_rows = (write, write + ps)  # key and value rows
+        read = cache.key_rows(meta.kv_slots).flatten()  # [B * Lmax]
+        # keys then values; index_select copies whole rows (much faster than x[rows] on a CPU)
+        self.read_rows = torch.cat((read, read + ps))  # [2 * B * Lmax]
+        # one gather buffer for all layers (a fresh large tensor per layer costs page faults)
+        self.kv = cache.data.new_empty(self.read_rows.shape[0], cache.num_kv_heads, cache.head_dim)
         group = num_q_heads // cache.num_kv_heads
         b, qmax, lmax = meta.num_seqs, meta.max_q, meta.kv_slots.shape[1]
         visible = meta.visible()  # [B, Qmax, Lmax]
@@ -74,27 +86,32 @@ class TorchPagedAttention:
         self.mask = visible[:, None, None].expand(b, 1, group, qmax, lmax)
         self.mask = self.mask.reshape(b, 1, group * qmax, lmax)
         self.group = group
-        self.value_offset = cache.page_size
+        # tokens come sequence by sequence (CSR order), so when every sequence has Qmax of them
+        # the padded layout is the token order itself and needs no scatter or gather
+        self.dense = meta.q_index.shape[0] == b * qmax
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         store = self.cache.layer_rows(layer)  # [pages * 2 * page_size, Hkv, D]
-        store[self.write_rows] = k.to(store.dtype)
-        store[self.write_rows + self.value_offset] = v.to(store.dtype)
+        store.index_copy_(0, self.write_rows[0], k.to(store.dtype))
+        store.index_copy_(0, self.write_rows[1], v.to(store.dtype))
         meta = self.meta
-        b, qmax = meta.num_seqs, meta.max_q
+        b, qmax, lmax = meta.num_seqs, meta.max_q, meta.kv_slots.shape[1]
         hq, d = q.shape[1], q.shape[2]
         hkv = hq // self.group
-        q_pad = q.new_zeros(b * qmax, hq, d)
-        q_pad[meta.q_index] = q
+        q_pad = q
+        if not self.dense:
+            q_pad = q.new_zeros(b * qmax, hq, d)
+            q_pad[meta.q_index] = q
         q_pad = q_pad.view(b, qmax, hkv, self.group, d).permute(0, 2, 3, 1, 4)
         q_pad = q_pad.reshape(b, hkv, self.group * qmax, d)
-        keys = store[self.read_rows].to(q.dtype).permute(0, 2, 1, 3)  # [B, Hkv, Lmax, D]
-        values = store[self.read_rows + self.value_offset].to(q.dtype).permute(0, 2, 1, 3)
+        torch.index_select(store, 0, self.read_rows, out=self.kv)
+        kv = self.kv.to(q.dtype).view(2, b, lmax, hkv, d)
+        keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [B, Hkv, Lmax, D]
         out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=self.mask)
-        out = out.view(b, hkv, self.group, qmax, d).permute(0, 3, 1, 2, 4)
-        return out.reshape(b * qmax, hq, d)[meta.q_index]
+        out = out.view(b, hkv, self.group, qmax, d).permute(0, 3, 1, 2, 4).reshape(-1, hq, d)
+        return out if self.dense else out[meta.q_index]
 
 
 class CausalAttention:
@@ -134,7 +151,8 @@ def paged_metadata(
     num_pages = kv_indptr[1:] - kv_indptr[:-1]
     kv_lens = (num_pages - 1) * page_size + kv_last_page_len.long()
     j = torch.arange(max_kv, device=positions.device)
-    page_pos = (kv_indptr[:-1, None] + j[None, :] // page_size).clamp(max=max(len(kv_indices) - 1, 0))
+    last_page = max(len(kv_indices) - 1, 0)
+    page_pos = (kv_indptr[:-1, None] + j[None, :] // page_size).clamp(max=last_page)
     kv_slots = kv_indices.long()[page_pos] * page_size + j[None, :] % page_size
     kv_slots = torch.where(j[None, :] < kv_lens[:, None], kv_slots, torch.zeros_like(kv_slots))
     t = torch.arange(positions.shape[0], device=positions.device)

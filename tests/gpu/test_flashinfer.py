@@ -1,0 +1,84 @@
+"""FlashInfer backend against the torch backend on CUDA, and its packed-mask layout.
+
+Run on an accelerator with tests/gpu/check.sh; skipped on a CPU (and without flashinfer).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kv.cache import KVCache
+from models.attention import TorchPagedAttention
+from models.masks import pack_tree_mask
+from tests.test_attention import CASES, NUM_PAGES, Batch
+
+pytestmark = pytest.mark.gpu
+flashinfer = pytest.importorskip("flashinfer")
+
+LAYERS, HEAD_DIM, DTYPE = 2, 64, torch.float16  # FlashInfer runs 16-bit types, head_dim 64+
+
+
+def planned(batch: Batch, num_q_heads: int, num_kv_heads: int, planner=None):
+    """(torch backend, FlashInfer backend) over two caches holding the same noise."""
+    from models.flashinfer_backend import FlashInferPlanner
+
+    caches = [
+        KVCache(LAYERS, NUM_PAGES, batch.page_size, num_kv_heads, HEAD_DIM, DTYPE, "cuda")
+        for _ in range(2)
+    ]
+    caches[0].data.normal_()
+    caches[1].data.copy_(caches[0].data)
+    if planner is None:
+        planner = FlashInferPlanner(num_q_heads, num_kv_heads, HEAD_DIM, batch.page_size, DTYPE)
+    tree = pack_tree_mask([s.mask() for s in batch.seqs]) if batch.trees else None
+    planner.plan(*batch.csr_tensors(), tree_mask=tree)
+    theirs = planner.bind(caches[1], torch.tensor(batch.slots, device="cuda"))
+    ours = TorchPagedAttention(batch.metadata("cuda"), caches[0], num_q_heads)
+    return ours, theirs
+
+
+def compare(batch: Batch, ours, theirs, num_q_heads: int, num_kv_heads: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for layer in range(LAYERS):
+        q = torch.randn(batch.num_tokens, num_q_heads, HEAD_DIM, generator=gen, device="cuda")
+        kv_shape = (batch.num_tokens, num_kv_heads, HEAD_DIM)
+        k = torch.randn(kv_shape, generator=gen, device="cuda")
+        v = torch.randn(kv_shape, generator=gen, device="cuda")
+        q, k, v = q.to(DTYPE), k.to(DTYPE), v.to(DTYPE)
+        want, got = ours(layer, q, k, v), theirs(layer, q, k, v)
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+    assert torch.equal(ours.cache.data, theirs.cache.data)
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (8, 1)])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_flashinfer_matches_torch_backend(case, page_size, heads):
+    batch = Batch(CASES[case], page_size, seed=page_size)
+    compare(batch, *planned(batch, *heads), *heads)
+
+
+def test_plan_ahead_keeps_the_bound_plan():
+    """Planning step N+1 before step N's forward runs leaves step N's plan intact."""
+    from models.flashinfer_backend import FlashInferPlanner
+
+    planner = FlashInferPlanner(4, 2, HEAD_DIM, 16, DTYPE)
+    now, ahead = Batch(CASES["tree"], 16, seed=1), Batch(CASES["verify"], 16, seed=2)
+    backends_now = planned(now, 4, 2, planner)
+    backends_ahead = planned(ahead, 4, 2, planner)
+    compare(now, *backends_now, 4, 2)
+    compare(ahead, *backends_ahead, 4, 2)
+
+
+def test_pack_tree_mask_equals_segment_packbits():
+    rng = random.Random(0)
+    masks = [torch.rand(rng.randint(1, 9), rng.randint(1, 70)) < 0.5 for _ in range(6)]
+    packed, indptr = pack_tree_mask(masks)
+    bit_indptr = torch.tensor([0] + [m.numel() for m in masks]).cumsum(0).cuda()
+    flat = torch.cat([m.flatten() for m in masks]).cuda()
+    want, want_indptr = flashinfer.quantization.segment_packbits(flat, bit_indptr, "little")
+    assert torch.equal(packed.cuda(), want)
+    assert indptr.tolist() == want_indptr.tolist()
