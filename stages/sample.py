@@ -5,6 +5,9 @@ purpose salt), so a request draws the same numbers whatever else is in the batch
 emitted at position P always comes from `sample(p, seed, P, SALT_SAMPLE)`; with point-mass
 drafts (argmax, n-gram, a tree's children) the acceptance rule is realised through that very
 sample, so speculation then emits the same tokens as plain decoding with the same seed.
+
+A token's position is the index it takes in the request's sequence (prompt + output), so the
+first output token of a prompt of length L has position L.
 """
 
 from __future__ import annotations
@@ -140,7 +143,8 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Te
     of seed and position, keyed by the salt. 32 bits put every probability within 2^-32 of
     its exact value, far below float32 rounding of the probabilities themselves.
     """
-    seeds = seeds.reshape(-1, *([1] * (positions.dim() - 1))).expand_as(positions)
+    positions = positions.long()
+    seeds = seeds.long().reshape(-1, *([1] * (positions.dim() - 1))).expand_as(positions)
     words = [w & _MASK32 for w in (seeds, seeds >> 32, positions, positions >> 32)]
     return (_murmur3(words, salt).double() + 0.5) * 2.0**-32
 
@@ -157,19 +161,20 @@ def process_logits(
     """Target (or drafter) logits -> the distributions the acceptance rules compare.
 
     logits: [B, S, V]; draft_tokens: [B, S-1] int64, the tokens before positions 1..S-1
-    (-1 for padding). Returns probabilities [B, S, V] float32 after, in this order: penalties
+    (-1 for padding). Returns probabilities [B, S, V] (float32, or float64 for float64
+    logits) after, in this order: penalties
     (position j counts the output so far plus draft tokens 0..j-1, so that verifying k drafts
     sees what k plain steps would see), temperature, top-k (ties with the k-th kept), top-p,
     min-p. Greedy rows are one-hot at the argmax of the penalised logits.
     """
-    logits = logits.float()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if penalties is not None and st.any_penalty:
         logits = _apply_penalties(logits, st, penalties, draft_tokens)
     vocab = logits.shape[-1]
     if st.all_greedy:
-        return _one_hot(logits.argmax(-1), vocab)
+        return _one_hot(logits.argmax(-1), vocab, logits.dtype)
     greedy = st.temperature == 0  # [B]
-    greedy_probs = _one_hot(logits.argmax(-1), vocab) if st.any_greedy else None
+    greedy_probs = _one_hot(logits.argmax(-1), vocab, logits.dtype) if st.any_greedy else None
     temperature = torch.where(greedy, 1.0, st.temperature)
     logits = logits / temperature[:, None, None]
     if st.any_top_k_or_p:
@@ -182,8 +187,10 @@ def process_logits(
     return probs
 
 
-def _one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
-    return torch.nn.functional.one_hot(tokens, vocab).float()
+def _one_hot(tokens: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """[..., V] one-hot of int64 tokens [...] (F.one_hot would build it in int64)."""
+    out = torch.zeros(*tokens.shape, vocab, dtype=dtype, device=tokens.device)
+    return out.scatter_(-1, tokens[..., None], 1.0)
 
 
 def _apply_penalties(
