@@ -33,8 +33,10 @@ class Event:
     def done(self) -> bool:
         if not self.future.done():
             return False
-        return self.cuda_event is None or self.future.exception() is not None or (
-            self.cuda_event.query()
+        return (
+            self.cuda_event is None
+            or self.future.exception() is not None
+            or (self.cuda_event.query())
         )
 
     def result(self) -> Any:

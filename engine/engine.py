@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -227,11 +228,14 @@ class AsyncEngine:
         lag = 2 if self.config.pipelined and not self.k else 1
         for step in itertools.count():
             async with self._published_cond:
-                await self._published_cond.wait_for(lambda s=step: self._published >= s - lag)
+                await self._published_cond.wait_for(partial(self._ready, step - lag))
             while (plan := self._plan(step)) is None:
                 await self._idle()
             await self._upload(plan)
             await outbox.put(plan)
+
+    def _ready(self, needed: int) -> bool:
+        return self._published >= needed
 
     async def _idle(self) -> None:
         """Nothing to run: wait for a step to complete (its pages come back) or for news."""
@@ -249,19 +253,33 @@ class AsyncEngine:
         if batch is None:
             return None
         k = self.k if batch.kind == "decode" else 0
-        plan = make_plan(batch, step, k, self.config.kv.page_size,
-                         self.drafter.host_drafts(batch.seqs, k) if k else None)
+        plan = make_plan(
+            batch,
+            step,
+            k,
+            self.config.kv.page_size,
+            self.drafter.host_drafts(batch.seqs, k) if k else None,
+        )
         params = [s.request.params for s in batch.seqs]
-        plan.sampling = SamplingTensors.build(params, [s.request.seed for s in batch.seqs],
-                                              self.device)
+        plan.sampling = SamplingTensors.build(
+            params, [s.request.seed for s in batch.seqs], self.device
+        )
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         plan.top_logprobs = max(wanted) if wanted else None
         for seq, chunk, emits in zip(batch.seqs, batch.chunks, plan.emits, strict=True):
             seq.request.inflight += 1
             seq.num_prefilled += chunk
             seq.num_pending += int(emits)
-        self.tracer.record(step, "plan", start, time.perf_counter(), batch_size=len(batch.seqs),
-                           num_tokens=plan.num_tokens, kind=batch.kind, k=k)
+        self.tracer.record(
+            step,
+            "plan",
+            start,
+            time.perf_counter(),
+            batch_size=len(batch.seqs),
+            num_tokens=plan.num_tokens,
+            kind=batch.kind,
+            k=k,
+        )
         return plan
 
     async def _upload(self, plan: Plan) -> None:
@@ -294,8 +312,9 @@ class AsyncEngine:
         if self._fault is not None:
             self._fault(name, plan)
         value = fn(plan)
-        self.tracer.record(plan.step, name, start, time.perf_counter(),
-                           batch_size=plan.batch_size, k=plan.k)
+        self.tracer.record(
+            plan.step, name, start, time.perf_counter(), batch_size=plan.batch_size, k=plan.k
+        )
         return value
 
     def _draft(self, plan: Plan) -> Drafts:
@@ -309,8 +328,9 @@ class AsyncEngine:
 
     def _sample(self, plan: Plan):
         events = plan.events
-        return self.sampler(plan, plan.device(), events["verify"].result(),
-                            events["draft"].result())
+        return self.sampler(
+            plan, plan.device(), events["verify"].result(), events["draft"].result()
+        )
 
     def _refill(self, plan: Plan) -> None:
         events = plan.events
@@ -329,13 +349,19 @@ class AsyncEngine:
                 self._fail_step(plan, error)
             else:
                 self._publish(plan, host)
-            async with self._published_cond:
-                self._published = plan.step
-                self._published_cond.notify_all()
+            if self.config.pipelined:  # the next plan may run while refill does
+                await self._mark_published(plan.step)
             await asyncio.wait([asyncio.wrap_future(plan.events["refill"].future)])
             self._release_completed()
+            if not self.config.pipelined:
+                await self._mark_published(plan.step)
             self._update_gauges()
             self._wake.set()
+
+    async def _mark_published(self, step: int) -> None:
+        async with self._published_cond:
+            self._published = step
+            self._published_cond.notify_all()
 
     @staticmethod
     def _download(plan: Plan) -> dict[str, list]:
@@ -400,8 +426,11 @@ class AsyncEngine:
             TokenLogprob(
                 host["tokens"][i][j],
                 host["logprobs"][i][j],
-                list(zip(host["top_ids"][i][j][:want], host["top_logprobs"][i][j][:want],
-                         strict=True)),
+                list(
+                    zip(
+                        host["top_ids"][i][j][:want], host["top_logprobs"][i][j][:want], strict=True
+                    )
+                ),
             )
             for j in range(n)
         ]

@@ -57,7 +57,7 @@ class SamplingParams:
         return self.temperature == 0
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # eos, a stop string or a stop token
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"

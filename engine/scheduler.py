@@ -99,7 +99,9 @@ class Scheduler:
         )
 
     def _schedule_prefill(self, step: int) -> Batch | None:
-        seqs, chunks, budget = [], [], self.max_batch_tokens
+        seqs: list[Sequence] = []
+        chunks: list[int] = []
+        budget = self.max_batch_tokens
         for seq in [s for s in self.running if s.prefilling]:
             if budget > 0 and self._grow(seq, budget, step, seqs, chunks):
                 budget -= chunks[-1]

@@ -144,6 +144,8 @@ class DecoderLayer(nn.Module):
 
 
 class Rotary(nn.Module):
+    inv_freq: torch.Tensor  # [head_dim / 2]
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)

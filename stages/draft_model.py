@@ -48,8 +48,13 @@ class DraftModelDrafter:
             tokens.append(token)
             probs.append(q)
             if j + 1 < plan.k:
-                logits = self._forward(dev, None, token[:, None], (dev.base + 1 + j)[:, None],
-                                       dev.tail_slots[:, j + 1 : j + 2])[:, 0]
+                logits = self._forward(
+                    dev,
+                    None,
+                    token[:, None],
+                    (dev.base + 1 + j)[:, None],
+                    dev.tail_slots[:, j + 1 : j + 2],
+                )[:, 0]
         return Drafts(torch.stack(tokens, 1), torch.stack(probs, 1) if self.sampled else None)
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:

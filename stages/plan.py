@@ -65,6 +65,15 @@ class Plan:
         return self.k + 1
 
     @property
+    def max_q(self) -> int:
+        return max(_lengths(self.fields["qo_indptr"]), default=1)
+
+    @property
+    def max_kv(self) -> int:
+        pages = max(_lengths(self.fields["kv_indptr"]), default=1)
+        return pages * self.page_size
+
+    @property
     def num_tokens(self) -> int:
         return len(self.fields.get("positions", ()))
 
@@ -72,6 +81,10 @@ class Plan:
         """The uploaded metadata; stream work only (it blocks until the upload is done)."""
         assert self.uploaded is not None
         return self.uploaded.result()
+
+
+def _lengths(indptr: list[int]) -> list[int]:
+    return [b - a for a, b in zip(indptr, indptr[1:], strict=False)]
 
 
 class HostBuffers:
@@ -86,8 +99,9 @@ class HostBuffers:
     async def upload(self, step: int, values: list[int], stream: Stream) -> Event:
         """Copy `values` to the device through buffer step % 2; the event's value is the copy."""
         i = step % 2
-        if self.uploads[i] is not None:
-            await self.uploads[i]  # its previous copy must have read the buffer
+        previous = self.uploads[i]
+        if previous is not None:
+            await previous  # its copy must have read the buffer before it is rewritten
         if len(values) > self.buffers[i].numel():
             pin = self.device.type == "cuda"
             self.buffers[i] = torch.zeros(2 * len(values), dtype=torch.int32, pin_memory=pin)
@@ -99,76 +113,94 @@ class HostBuffers:
         return event
 
 
-def make_plan(batch: Batch, step: int, k: int, page_size: int, host_drafts=None) -> Plan:
+def make_plan(
+    batch: Batch, step: int, k: int, page_size: int, host_drafts: list[list[int]] | None = None
+) -> Plan:
     """Host-side sections of a step; `host_drafts` [B][<= k] come from an n-gram drafter."""
     if batch.kind == "prefill":
         return _prefill_plan(batch, step, page_size)
     return _decode_plan(batch, step, k, page_size, host_drafts)
 
 
+@dataclass
+class _Columns:
+    """Per-token and per-sequence lists a plan packs."""
+
+    ids: list[int] = field(default_factory=list)  # [T] prefill tokens
+    positions: list[int] = field(default_factory=list)  # [T]
+    slots: list[int] = field(default_factory=list)  # [T]
+    logits_index: list[int] = field(default_factory=list)  # [B * W]
+    q_lens: list[int] = field(default_factory=list)  # [B]
+    kv_lens: list[int] = field(default_factory=list)  # [B] keys after this step's writes
+    tails: list[list[int]] = field(default_factory=list)  # [B][k + 2]
+
+
 def _prefill_plan(batch: Batch, step: int, page_size: int) -> Plan:
-    ids, positions, slots, logits_index, base, emits, kv_lens = [], [], [], [], [], [], []
+    c, base, emits = _Columns(), [], []
     for seq, chunk in zip(batch.seqs, batch.chunks, strict=True):
         start, end = seq.num_prefilled, seq.num_prefilled + chunk
-        ids += seq.prefill_ids[start:end]
-        positions += range(start, end)
-        slots += seq.table.slots(start, end)
-        logits_index.append(len(positions) - 1)
         final = end == len(seq.prefill_ids)
+        c.ids += seq.prefill_ids[start:end]
+        c.positions += range(start, end)
+        c.slots += seq.table.slots(start, end)
+        c.logits_index.append(len(c.positions) - 1)
+        c.q_lens.append(chunk)
+        c.kv_lens.append(end + 1 if final else end)  # a final chunk's tail: the sampled token
+        c.tails.append(seq.table.slots(end - 1, end + 1) if final else [0, 0])
         emits.append(final)
         base.append(end - 1)
-        kv_lens.append(end + 1 if final else end)  # a final chunk's tail: the sampled token
     plan = Plan(step, "prefill", batch.seqs, 0, [0] * len(emits), base, emits, page_size)
-    tails = [[s.table.slot(b), s.table.slot(b + 1) if e else 0] for s, b, e in
-             zip(batch.seqs, base, emits, strict=True)]
-    plan.fields = _sections(plan, ids, positions, slots, batch.chunks, kv_lens, logits_index,
-                            tails, [[]] * len(emits))
+    plan.fields = _sections(plan, c, [[]] * len(emits))
     return plan
 
 
-def _decode_plan(batch: Batch, step: int, k: int, page_size: int, host_drafts) -> Plan:
-    positions, slots, logits_index, base, num_drafts, tails, kv_lens = [], [], [], [], [], [], []
+def _decode_plan(
+    batch: Batch, step: int, k: int, page_size: int, host_drafts: list[list[int]] | None
+) -> Plan:
+    c, base, num_drafts = _Columns(), [], []
     for i, seq in enumerate(batch.seqs):
         n = seq.planned_tokens
-        remaining = seq.request.params.max_tokens - (n - len(seq.request.prompt_ids))
-        cap = seq.request.params.num_speculative_tokens
-        num_drafts.append(max(0, min(k, remaining - 1, k if cap is None else cap)))
+        params = seq.request.params
+        remaining = params.max_tokens - (n - len(seq.request.prompt_ids))
+        cap = k if params.num_speculative_tokens is None else params.num_speculative_tokens
+        # never draft past max_tokens: a step emits at most num_drafts + 1 tokens
+        num_drafts.append(max(0, min(k, remaining - 1, cap)))
         base.append(n - 1)
-        positions += range(n - 1, n + k)
-        slots += seq.table.slots(n - 1, n + k)
-        logits_index += range(i * (k + 1), (i + 1) * (k + 1))
-        tails.append(seq.table.slots(n - 1, n + k + 1))
-        kv_lens.append(n + k + 1)
-    drafts = host_drafts or [[]] * len(base)
+        c.positions += range(n - 1, n + k)
+        c.slots += seq.table.slots(n - 1, n + k)
+        c.logits_index += range(i * (k + 1), (i + 1) * (k + 1))
+        c.q_lens.append(k + 1)
+        c.kv_lens.append(n + k + 1)
+        c.tails.append(seq.table.slots(n - 1, n + k + 1))
     plan = Plan(step, "decode", batch.seqs, k, num_drafts, base, [True] * len(base), page_size)
-    plan.fields = _sections(plan, [], positions, slots, [k + 1] * len(base), kv_lens,
-                            logits_index, tails, drafts)
+    plan.fields = _sections(plan, c, host_drafts or [[]] * len(base))
     return plan
 
 
-def _sections(plan, ids, positions, slots, q_lens, kv_lens, logits_index, tails, drafts):
-    csr = build_csr([s.table for s in plan.seqs], kv_lens, q_lens)
-    width = plan.k + 2
+def _sections(plan: Plan, c: _Columns, drafts: list[list[int]]) -> dict[str, list[int]]:
+    csr = build_csr([s.table for s in plan.seqs], c.kv_lens, c.q_lens)
     return {
         "rows": [s.row for s in plan.seqs],
-        "input_ids": ids,
-        "positions": positions,
-        "slot_mapping": slots,
+        "input_ids": c.ids,
+        "positions": c.positions,
+        "slot_mapping": c.slots,
         "qo_indptr": csr.qo_indptr,
         "kv_indptr": csr.kv_indptr,
         "kv_indices": csr.kv_indices,
         "kv_last_page_len": csr.kv_last_page_len,
-        "logits_index": logits_index,
-        "tail_slots": [x for t in tails for x in (t + [0] * width)[:width]],
+        "logits_index": c.logits_index,
+        "tail_slots": [x for tail in c.tails for x in _pad(tail, plan.k + 2, 0)],
         "base": plan.base,
         "emits": [int(e) for e in plan.emits],
         "emit_index": [i for i, e in enumerate(plan.emits) if e],
         "num_drafts": plan.num_drafts,
         "prompt_lens": [len(s.request.prompt_ids) for s in plan.seqs],
-        "host_drafts": [x for d in drafts for x in (list(d) + [-1] * plan.k)[: plan.k]],
-        "_max_q": [max(q_lens, default=1)],
-        "_max_kv": [max(kv_lens, default=1)],
+        "host_drafts": [x for d in drafts for x in _pad(d, plan.k, -1)],
     }
+
+
+def _pad(values: list[int], width: int, fill: int) -> list[int]:
+    return (list(values) + [fill] * width)[:width]
 
 
 def pack(sections: dict[str, list[int]]) -> tuple[list[int], dict[str, tuple[int, int]]]:
@@ -187,9 +219,15 @@ def unpack(plan: Plan, buffer: torch.Tensor, layout: dict[str, tuple[int, int]])
     t = {name: buf[off : off + n] for name, (off, n) in layout.items()}
     b, width = plan.batch_size, plan.k + 2
     meta = paged_metadata(
-        t["qo_indptr"], t["kv_indptr"], t["kv_indices"], t["kv_last_page_len"],
-        t["positions"], t["slot_mapping"], plan.page_size,
-        int(plan.fields["_max_q"][0]), int(plan.fields["_max_kv"][0]),
+        t["qo_indptr"],
+        t["kv_indptr"],
+        t["kv_indices"],
+        t["kv_last_page_len"],
+        t["positions"],
+        t["slot_mapping"],
+        plan.page_size,
+        plan.max_q,
+        plan.max_kv,
     )
     return DevicePlan(
         rows=t["rows"],

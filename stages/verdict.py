@@ -43,7 +43,9 @@ class SampleStage:
     @staticmethod
     def _logprobs(verdict: Verdict, logits: torch.Tensor, n: int) -> None:
         b, w, v = logits.shape
-        chosen, top_ids, top = logprobs(logits.reshape(b * w, v), verdict.tokens.clamp(min=0).flatten(), n)
+        chosen, top_ids, top = logprobs(
+            logits.reshape(b * w, v), verdict.tokens.clamp(min=0).flatten(), n
+        )
         verdict.logprobs = chosen.view(b, w)
         verdict.top_ids = top_ids.view(b, w, n)
         verdict.top_logprobs = top.view(b, w, n)

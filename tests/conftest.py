@@ -15,3 +15,17 @@ def pytest_collection_modifyitems(config, items):
 def _seed_and_threads():
     torch.manual_seed(0)
     torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory):
+    from tests.tiny import write_model
+
+    return write_model(tmp_path_factory.mktemp("target"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tmp_path_factory):
+    from tests.tiny import write_model
+
+    return write_model(tmp_path_factory.mktemp("draft"), layers=1, hidden=32, seed=1)

@@ -56,17 +56,20 @@ def write_model(
     scale: float = 0.5,
     vocab_size: int = 320,
     max_len: int = 512,
+    model_vocab: int | None = None,
 ) -> Path:
     """A random model with a large init scale, so that top-2 logit gaps are wide and greedy
     decoding does not depend on rounding; plus the tokenizer."""
-    vocab = write_tokenizer(directory, vocab_size)
+    vocab = model_vocab or write_tokenizer(directory, vocab_size)
+    if model_vocab:
+        write_tokenizer(directory, vocab_size)
     cfg = LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_layers=layers,
-        num_heads=4,
-        num_kv_heads=2,
+        num_heads=max(2, hidden // 16),
+        num_kv_heads=max(1, hidden // 32),
         max_position_embeddings=max_len,
         eos_token_id=0,
         bos_token_id=0,

@@ -1,0 +1,48 @@
+"""Helpers for tests that run the engine on tiny checkpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator
+
+from engine.config import EngineConfig, KVConfig, SpecConfig
+from engine.engine import AsyncEngine
+from engine.request import Delta, SamplingParams
+
+
+def make_config(target, method="none", draft=None, k=3, pages=256, page_size=4, **kw):
+    spec = SpecConfig(method=method, draft=str(draft) if draft else None, num_speculative_tokens=k)
+    kv = KVConfig(page_size=page_size, num_pages=pages)
+    return EngineConfig(model=str(target), spec=spec, kv=kv, **kw)
+
+
+@contextlib.asynccontextmanager
+async def running(config: EngineConfig) -> AsyncIterator[AsyncEngine]:
+    engine = AsyncEngine(config)
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
+def ragged_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+
+
+def token_ids(deltas: list[Delta]) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+
+async def staggered(engine: AsyncEngine, prompts, params: SamplingParams, seed: int = 0):
+    """Submit each prompt after a small random delay; all outputs, in prompt order."""
+    rng = random.Random(seed)
+
+    async def one(prompt):
+        await asyncio.sleep(rng.random() * 0.05)
+        return token_ids(await engine.generate(prompt, params))
+
+    return await asyncio.gather(*(one(p) for p in prompts))

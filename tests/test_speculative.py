@@ -1,0 +1,78 @@
+"""Speculative decoding end to end: lossless greedy output, and pages after aborts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.request import SamplingParams
+from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    # repeats make the n-gram drafter find matches
+    return [p + p[:5] for p in ragged_prompts(16, 300, seed=11)]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_target, prompts):
+    async def plain():
+        async with running(make_config(tiny_target)) as engine:
+            return await staggered(engine, prompts, GREEDY)
+
+    return asyncio.run(plain())
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("pages", [256, 40])
+async def test_greedy_speculation_equals_plain(
+    tiny_target, tiny_draft, prompts, expected, method, pages
+):
+    config = make_config(tiny_target, method, tiny_draft, k=3, pages=pages, max_batch_tokens=64)
+    async with running(config) as engine:
+        assert await staggered(engine, prompts, GREEDY, seed=5) == expected
+        if pages < 100:
+            assert engine.scheduler.num_preemptions > 0
+        await engine.wait_idle()
+        assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+async def test_draft_model_accepts_its_own_output(tiny_target):
+    """The target drafting for itself is always right: every draft token is accepted."""
+    config = make_config(tiny_target, "draft", tiny_target, k=4)
+    async with running(config) as engine:
+        deltas = await engine.generate([3, 4, 5], GREEDY)
+    usage = deltas[-1].usage
+    assert usage.draft_tokens > 0 and usage.accepted_tokens == usage.draft_tokens
+
+
+async def test_per_request_k_and_max_tokens_are_respected(tiny_target, tiny_draft):
+    config = make_config(tiny_target, "draft", tiny_target, k=4)
+    async with running(config) as engine:
+        for max_tokens in (1, 2, 3, 7):
+            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            assert len(token_ids(await engine.generate([3, 4], params))) == max_tokens
+        params = SamplingParams(
+            max_tokens=12, temperature=0, ignore_eos=True, num_speculative_tokens=1
+        )
+        usage = (await engine.generate([3, 4], params))[-1].usage
+        assert usage.draft_tokens <= usage.spec_steps
+
+
+async def test_aborts_mid_speculation_free_every_page(tiny_target, tiny_draft):
+    config = make_config(tiny_target, "draft", tiny_draft, k=3, pages=64)
+    async with running(config) as engine:
+        params = SamplingParams(max_tokens=40, temperature=0.8)
+        streams = [engine.submit(p, params) for p in ragged_prompts(8, 300, seed=3)]
+        for stream in streams[::2]:
+            async for delta in stream:
+                if len(delta.token_ids):
+                    engine.abort(stream.request_id)
+        for stream in streams[1::2]:
+            _ = [d async for d in stream]
+        await engine.wait_idle()
+        assert engine.allocator.num_free == engine.allocator.num_pages
