@@ -11,7 +11,7 @@ SPECULATIVE_METHODS = ("none", "draft", "ngram", "eagle", "mtp")
 class KVConfig:
     page_size: int = 16  # FlashInfer's usual page; small enough that rollback wastes little
     num_pages: int = 0  # 0: as many as `memory_fraction` of free memory holds
-    memory_bytes: int = 2 << 30  # KV budget when num_pages is 0 (the demo needs far less)
+    memory_bytes: int = 1 << 30  # KV budget (target and drafter) when num_pages is 0
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
