@@ -5,7 +5,7 @@ python -m bench.pipeline [--requests 16] [--delay 0.004] [--out results.json]
 Runs plain greedy decoding on a small random model (written to a temporary directory) with
 the step timeline kept in memory, then reports
 - the plan stage's CPU time per step and per request (microseconds),
-- the share of plan time that overlapped the previous step's device work,
+- the share of plan time during which the device was busy (with earlier steps' work),
 - the mean step time with pipelining on and off, with the device made slow by the delay mode
   (each piece of device work sleeps up to --delay seconds first), medians of --repeats runs.
 """
@@ -26,7 +26,7 @@ from engine.request import SamplingParams
 from engine.trace import Tracer
 from tests.tiny import write_model
 
-DEVICE = ("draft", "verify", "sample", "refill")
+DEVICE = ("upload", "draft", "verify", "sample", "refill")
 
 
 async def run(model: Path, requests: int, delay: float, pipelined: bool) -> dict:
@@ -49,29 +49,35 @@ async def run(model: Path, requests: int, delay: float, pipelined: bool) -> dict
 
 
 def summarize(records: list[dict], wall: float) -> dict:
-    plans = {r["step"]: r for r in records if r["stage"] == "plan" and r["kind"] == "decode"}
-    device: dict[int, tuple[float, float]] = {}
-    for r in records:
-        if r["stage"] in DEVICE:
-            lo, hi = device.get(r["step"], (r["start"], r["end"]))
-            device[r["step"]] = (min(lo, r["start"]), max(hi, r["end"]))
-    plan_time = hidden = 0.0
-    per_request = []
-    for step, plan in plans.items():
-        duration = plan["end"] - plan["start"]
-        plan_time += duration
-        per_request.append(duration / plan["batch_size"] * 1e6)
-        if step - 1 in device:
-            lo, hi = device[step - 1]
-            hidden += max(0.0, min(plan["end"], hi) - max(plan["start"], lo))
+    plans = [r for r in records if r["stage"] == "plan" and r["kind"] == "decode"]
+    busy = _union([(r["start"], r["end"]) for r in records if r["stage"] in DEVICE])
+    plan_time = sum(p["end"] - p["start"] for p in plans)
+    hidden = sum(_overlap((p["start"], p["end"]), busy) for p in plans)
     steps = len({r["step"] for r in records})
     return {
         "steps": steps,
         "step_ms": wall / steps * 1e3,
-        "plan_us_per_request": statistics.median(per_request),
+        "plan_us_per_request": statistics.median(
+            (p["end"] - p["start"]) / p["batch_size"] * 1e6 for p in plans
+        ),
         "plan_us_per_step": plan_time / len(plans) * 1e6,
         "plan_hidden_share": hidden / plan_time,
     }
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint intervals covering the spans: when the device was busy."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _overlap(span: tuple[float, float], busy: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(span[1], hi) - max(span[0], lo)) for lo, hi in busy)
 
 
 def main() -> None:

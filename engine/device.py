@@ -16,6 +16,7 @@ import asyncio
 import queue
 import random
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -66,6 +67,7 @@ class Stream:
         self._random = random.Random(seed)
         self._cuda = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.item_started = 0.0  # when the running piece of work began, injected delay included
         self._thread = threading.Thread(target=self._run, name=f"stream-{name}", daemon=True)
         self._thread.start()
 
@@ -97,6 +99,7 @@ class Stream:
             fn, args, future, cuda_event = item
             if not future.set_running_or_notify_cancel():
                 continue
+            self.item_started = time.perf_counter()
             if self.delay:
                 threading.Event().wait(self._random.uniform(0, self.delay))
             try:

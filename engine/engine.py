@@ -286,7 +286,8 @@ class AsyncEngine:
         flat, layout = pack(plan.fields)
         copied = await self.host_buffers.upload(plan.step, flat, self.h2d)
         self.compute.wait(copied)
-        plan.uploaded = self.compute.submit(lambda: unpack(plan, copied.result(), layout))
+        unpacked = partial(unpack, uploaded=copied, layout=layout)
+        plan.uploaded = self.compute.submit(self._traced, "upload", unpacked, plan)
 
     async def _device_stage(
         self, fn: Callable[[Plan], Any], inbox: asyncio.Queue[Plan], outbox: asyncio.Queue[Plan]
@@ -308,7 +309,7 @@ class AsyncEngine:
             await outbox.put(plan)
 
     def _traced(self, name: str, fn: Callable[[Plan], Any], plan: Plan) -> Any:
-        start = time.perf_counter()
+        start = self.compute.item_started  # device time includes the delay mode's sleep
         if self._fault is not None:
             self._fault(name, plan)
         value = fn(plan)

@@ -213,9 +213,9 @@ def pack(sections: dict[str, list[int]]) -> tuple[list[int], dict[str, tuple[int
     return flat, layout
 
 
-def unpack(plan: Plan, buffer: torch.Tensor, layout: dict[str, tuple[int, int]]) -> DevicePlan:
+def unpack(plan: Plan, uploaded: Event, layout: dict[str, tuple[int, int]]) -> DevicePlan:
     """Device tensors from the uploaded buffer; runs as device work after the upload."""
-    buf = buffer.long()
+    buf = uploaded.result().long()
     t = {name: buf[off : off + n] for name, (off, n) in layout.items()}
     b, width = plan.batch_size, plan.k + 2
     meta = paged_metadata(

@@ -10,7 +10,7 @@ from engine.request import SamplingParams
 from engine.trace import Tracer, main
 from tests.engine_util import make_config, ragged_prompts
 
-DEVICE_STAGES = ("draft", "verify", "sample", "refill")
+DEVICE_STAGES = ("upload", "draft", "verify", "sample", "refill")
 
 
 async def traced_run(config, prompts) -> list[dict]:
