@@ -1,0 +1,467 @@
+"""The OpenAI API's shapes: validation and response bodies; no I/O.
+
+Every request is checked here, in one table-driven pass, before it reaches the engine; a refusal
+is an ApiError, which server.py answers in OpenAI's error shape. The Reply classes turn what a
+request has produced into the completions and the chat bodies, whole or as stream chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeGuard
+
+from engine.request import Delta, FinishReason, SamplingParams, TokenLogprob, Usage
+
+JSON = dict[str, Any]
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str: ...
+
+
+class Metrics(Protocol):
+    def render(self) -> str: ...
+
+
+class Engine(Protocol):
+    """What the server needs of engine.engine.AsyncEngine (tests pass a fake)."""
+
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def metrics(self) -> Metrics: ...
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+    def submit(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterable[Delta]: ...
+    def abort(self, request_id: str) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+class ApiError(Exception):
+    """A refusal, answered with an HTTP status and OpenAI's error body
+    `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code = status, message, type, code
+        self.param, self.headers = param, headers
+
+    @property
+    def body(self) -> JSON:
+        error = {"message": self.message, "type": self.type, "param": self.param}
+        return {"error": error | {"code": self.code}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: one table per route, checked in one pass. null counts as absent, as in OpenAI's API.
+
+Check = Callable[[Any], bool]
+
+
+def _int(v: Any) -> bool:
+    return type(v) is int  # bool is an int to Python, not to JSON
+
+
+def _number(v: Any) -> bool:
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+def _bool(v: Any) -> bool:
+    return type(v) is bool
+
+
+def _str(v: Any) -> bool:
+    return type(v) is str
+
+
+def _ids(v: Any) -> TypeGuard[list[int]]:
+    return type(v) is list and all(_int(t) for t in v)
+
+
+def _stop(v: Any) -> bool:
+    return _str(v) or (type(v) is list and len(v) <= 16 and all(_str(s) for s in v))
+
+
+def _stream_options(v: Any) -> bool:
+    keys = ("include_usage", "continuous_usage_stats")
+    return type(v) is dict and all(k in keys and _bool(x) for k, x in v.items())
+
+
+def _message(m: Any) -> bool:
+    roles = ("system", "user", "assistant")
+    return type(m) is dict and m.get("role") in roles and _str(m.get("content"))
+
+
+def _messages(v: Any) -> bool:
+    return type(v) is list and len(v) > 0 and all(_message(m) for m in v)
+
+
+def _in(lo: int, hi: int) -> Check:
+    return lambda v: _int(v) and lo <= v <= hi
+
+
+def _is(value: Any) -> Check:
+    return lambda v: v == value and type(v) is type(value)
+
+
+# name: (check, what the value must be)
+COMMON_FIELDS: dict[str, tuple[Check, str]] = {
+    "model": (_str, "a string"),
+    "stream": (_bool, "a boolean"),
+    "stream_options": (
+        _stream_options,
+        "an object of booleans: include_usage, continuous_usage_stats",
+    ),
+    "max_tokens": (_int, "an integer"),
+    "temperature": (_number, "a number"),
+    "top_p": (_number, "a number"),
+    "top_k": (_int, "an integer"),
+    "min_p": (_number, "a number"),
+    "presence_penalty": (_number, "a number"),
+    "frequency_penalty": (_number, "a number"),
+    "repetition_penalty": (_number, "a number"),
+    "seed": (lambda v: _int(v) and 0 <= v < 2**63, "an integer in [0, 2^63)"),
+    "stop": (_stop, "a string or a list of at most 16 strings"),
+    "stop_token_ids": (_ids, "a list of token ids"),
+    "ignore_eos": (_bool, "a boolean"),
+    "num_speculative_tokens": (_int, "an integer"),
+    "n": (_is(1), "1 (one choice per request is supported)"),
+}
+COMPLETION_FIELDS = COMMON_FIELDS | {
+    "prompt": (lambda v: _str(v) or type(v) is list, "a string or a list of token ids"),
+    "logprobs": (_in(0, 5), "an integer in 0..5"),
+    "echo": (_is(False), "false (echo is not supported)"),
+    "best_of": (_is(1), "1 (best_of is not supported)"),
+    "suffix": (lambda v: False, "null (suffix is not supported)"),
+}
+CHAT_FIELDS = COMMON_FIELDS | {
+    "messages": (_messages, "a non-empty list of {role, content} with string content"),
+    "logprobs": (_bool, "a boolean"),
+    "top_logprobs": (_in(0, 20), "an integer in 0..20"),
+    "max_completion_tokens": (_int, "an integer"),
+    "tools": (lambda v: v == [], "empty (tools are not supported)"),
+}
+# fields that SamplingParams takes as they are (it checks their ranges itself)
+PASSED_THROUGH = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "ignore_eos",
+    "num_speculative_tokens",
+)
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def validate(body: Any, table: dict[str, tuple[Check, str]], required: str) -> JSON:
+    """The body's known fields that are not null, each checked against `table`."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    if body.get(required) is None:
+        raise ApiError(400, f"'{required}' is required", param=required)
+    fields = {}
+    for name, (check, what) in table.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if not check(value):
+            raise ApiError(400, f"'{name}' must be {what}, got {_short(value)}", param=name)
+        fields[name] = value
+    if "stream_options" in fields and not fields.get("stream"):
+        raise ApiError(400, "'stream_options' is only allowed when 'stream' is true")
+    return fields
+
+
+def check_model(fields: JSON, served: str) -> None:
+    model = fields.get("model")
+    if model is not None and model != served:
+        raise ApiError(
+            404, f"the model '{model}' does not exist", code="model_not_found", param="model"
+        )
+
+
+def check_ids(ids: list[int], vocab_size: int, what: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ApiError(
+            400, f"{what} holds token id {bad}, outside the vocabulary [0, {vocab_size})"
+        )
+
+
+def check_context(prompt_len: int, max_tokens: int, max_model_len: int) -> None:
+    if prompt_len + max_tokens > max_model_len:
+        raise ApiError(
+            400,
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{prompt_len} and max_tokens asks for {max_tokens}",
+            code="context_length_exceeded",
+        )
+
+
+def completion_prompt(value: str | list[Any], engine: Engine) -> list[int]:
+    """A string, a list of token ids, or a list holding exactly one of those: its ids."""
+    if value and type(value) is list and type(value[0]) in (str, list):
+        if len(value) != 1:
+            raise ApiError(400, f"only one prompt per request is supported, got {len(value)}")
+        value = value[0]
+    if not value:
+        raise ApiError(400, "'prompt' must not be empty")
+    if isinstance(value, str):
+        return engine.tokenizer.encode(value, add_special_tokens=True)
+    if not _ids(value):
+        raise ApiError(400, "'prompt' must be a string or a list of token ids")
+    check_ids(value, engine.vocab_size, "'prompt'")
+    return value
+
+
+def chat_prompt(messages: list[dict[str, Any]], engine: Engine) -> list[int]:
+    try:
+        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except ValueError as e:  # no template, or the template refused the conversation
+        raise ApiError(400, str(e)) from e
+    # the template writes the BOS itself
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def sampling_params(
+    fields: JSON, max_tokens: int, logprobs: int | None, engine: Engine
+) -> SamplingParams:
+    """SamplingParams from checked fields; its own range checks raise InvalidRequest (a 400)."""
+    stop = fields.get("stop", ())
+    stop_ids = fields.get("stop_token_ids", [])
+    check_ids(stop_ids, engine.vocab_size, "'stop_token_ids'")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        stop=(stop,) if isinstance(stop, str) else tuple(stop),
+        stop_token_ids=tuple(stop_ids),
+        logprobs=logprobs,
+        **{name: fields[name] for name in PASSED_THROUGH if name in fields},
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Replies: what a request has produced, in OpenAI's shapes
+
+
+@dataclass
+class Job:
+    """A checked request, ready for the engine."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    continuous_usage: bool  # stream_options.continuous_usage_stats: usage on every chunk
+
+
+def make_job(
+    prefix: str, prompt_ids: list[int], params: SamplingParams, fields: JSON, engine: Engine
+) -> Job:
+    check_context(len(prompt_ids), params.max_tokens, engine.max_model_len)
+    options = fields.get("stream_options", {})
+    return Job(
+        request_id=f"{prefix}-{uuid.uuid4().hex}",
+        prompt_ids=prompt_ids,
+        params=params,
+        stream=fields.get("stream", False),
+        include_usage=options.get("include_usage", False),
+        continuous_usage=options.get("continuous_usage_stats", False),
+    )
+
+
+def usage_body(u: Usage) -> JSON:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "speculative": {
+            "draft_tokens": u.draft_tokens,
+            "accepted_tokens": u.accepted_tokens,
+            "steps": u.spec_steps,
+        },
+    }
+
+
+class Reply(ABC):
+    """A request's output so far; subclasses give the completions and the chat shapes."""
+
+    object_full = ""
+    object_chunk = ""
+
+    def __init__(self, job: Job, model: str, tokenizer: Tokenizer):
+        self.job, self.model, self.tokenizer = job, model, tokenizer
+        self.created = int(time.time())
+        self.text: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.num_tokens = 0
+        self.finish: FinishReason | None = None
+        self.error: str | None = None
+        self.final_usage: Usage | None = None
+
+    def add(self, delta: Delta) -> None:
+        self.text.append(delta.text)
+        self.logprobs.extend(delta.logprobs or [])
+        self.num_tokens += len(delta.token_ids)
+        self.finish = delta.finish_reason or self.finish
+        self.error = delta.error or self.error
+        self.final_usage = delta.usage or self.final_usage
+
+    @property
+    def usage(self) -> Usage:
+        counted = Usage(len(self.job.prompt_ids), self.num_tokens)
+        return self.final_usage or counted
+
+    def envelope(self, obj: str, choices: list[JSON]) -> JSON:
+        return {
+            "id": self.job.request_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def chunk(self, delta: Delta) -> JSON:
+        finish = delta.finish_reason.value if delta.finish_reason else None
+        body = self.envelope(self.object_chunk, [self.chunk_choice(delta, finish)])
+        if self.job.continuous_usage:
+            body["usage"] = usage_body(self.usage)
+        return body
+
+    def usage_chunk(self) -> JSON:
+        return self.envelope(self.object_chunk, []) | {"usage": usage_body(self.usage)}
+
+    def full(self) -> JSON:
+        finish = self.finish.value if self.finish else None
+        return self.envelope(self.object_full, [self.full_choice(finish)]) | {
+            "usage": usage_body(self.usage)
+        }
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def opening(self) -> list[JSON]:
+        return []
+
+    @abstractmethod
+    def chunk_choice(self, delta: Delta, finish: str | None) -> JSON:
+        """The choice of a streamed chunk that carries `delta`."""
+
+    @abstractmethod
+    def full_choice(self, finish: str | None) -> JSON:
+        """The choice of the whole, non-streamed response."""
+
+
+class CompletionReply(Reply):
+    object_full = "text_completion"
+    object_chunk = "text_completion"
+
+    def __init__(self, job: Job, model: str, tokenizer: Tokenizer):
+        super().__init__(job, model, tokenizer)
+        self.text_offset = 0  # of the next token's text in the completion
+
+    def logprobs_body(self, lps: list[TokenLogprob]) -> JSON | None:
+        """OpenAI's completions form; text_offset counts from the start of the completion."""
+        if self.job.params.logprobs is None:
+            return None
+        tokens = [self.token_text(lp.token_id) for lp in lps]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.text_offset)
+            self.text_offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{self.token_text(t): v for t, v in lp.top} for lp in lps],
+            "text_offset": offsets,
+        }
+
+    def chunk_choice(self, delta: Delta, finish: str | None) -> JSON:
+        logprobs = self.logprobs_body(delta.logprobs or [])
+        return {"index": 0, "text": delta.text, "logprobs": logprobs, "finish_reason": finish}
+
+    def full_choice(self, finish: str | None) -> JSON:
+        logprobs = self.logprobs_body(self.logprobs)
+        return {
+            "index": 0,
+            "text": "".join(self.text),
+            "logprobs": logprobs,
+            "finish_reason": finish,
+        }
+
+
+class ChatReply(Reply):
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def logprob_entry(self, token_id: int, logprob: float) -> JSON:
+        token = self.token_text(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    def logprobs_body(self, lps: list[TokenLogprob]) -> JSON | None:
+        """OpenAI's chat form: per token its entry and its top alternatives."""
+        if self.job.params.logprobs is None:
+            return None
+        content = [
+            self.logprob_entry(lp.token_id, lp.logprob)
+            | {"top_logprobs": [self.logprob_entry(t, v) for t, v in lp.top]}
+            for lp in lps
+        ]
+        return {"content": content}
+
+    def opening(self) -> list[JSON]:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        return [self.envelope(self.object_chunk, [choice | {"logprobs": None}])]
+
+    def chunk_choice(self, delta: Delta, finish: str | None) -> JSON:
+        return {
+            "index": 0,
+            "delta": {"content": delta.text},
+            "logprobs": self.logprobs_body(delta.logprobs or []),
+            "finish_reason": finish,
+        }
+
+    def full_choice(self, finish: str | None) -> JSON:
+        return {
+            "index": 0,
+            "message": {"role": "assistant", "content": "".join(self.text)},
+            "logprobs": self.logprobs_body(self.logprobs),
+            "finish_reason": finish,
+        }
