@@ -111,6 +111,9 @@ def test_distillation_moves_the_draft_towards_the_target(trained, tok, tokens):
         opt.step()
     after = objectives.distill_loss(draft, target, batch, hard_weight=0.0).item()
     assert after < before * 0.7
+    stats, matches = evaluate.heldout_stats(target, draft, batch[:2])
+    assert len(matches) == 2 and len(matches[0]) == SEQ
+    assert stats["agreement"] == pytest.approx(sum(map(sum, matches)) / (2 * SEQ))
     accept, agreement = evaluate.simulate(target, draft, [[1, 2, 3], [4, 5, 6, 7, 8]], 12)
     assert 0 <= agreement <= 1
     assert all(1 <= accept[k] <= k + 1 for k in evaluate.DRAFT_LENGTHS)

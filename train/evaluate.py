@@ -7,7 +7,10 @@
   proposals are exactly that continuation, so the accepted count of a verify step starting at
   token i is the run of agreements from i, capped at k; the step then emits one more token
   (recovered or bonus) and the next starts after it. This is what greedy speculative decoding
-  does, up to rounding near ties;
+  does, up to rounding near ties. An undertrained target's greedy output repeats itself (runs
+  of blank lines) and is easy to predict, so the usual teacher-forced estimate is reported too:
+  the same walk over held-out text, where a draft token counts as accepted when the draft's
+  argmax equals the target's given the true prefix;
 - the cost of one decode step of each model at batch 1 with a 512-token context, through the
   engine's torch paged-attention backend.
 """
@@ -143,9 +146,11 @@ def simulate(
 @torch.no_grad()
 def heldout_stats(
     target: LlamaModel, draft: LlamaModel, windows: torch.Tensor, batch: int = 4
-) -> dict[str, float]:
-    """Held-out losses of both models and their argmax agreement, over windows [N, S + 1]."""
+) -> tuple[dict[str, float], list[list[bool]]]:
+    """Held-out losses of both models and their argmax agreement, over windows [N, S + 1];
+    and per window and position whether the argmaxes agree [N][S]."""
     sums = {"target_loss": 0.0, "draft_loss": 0.0, "agreement": 0.0}
+    matches: list[list[bool]] = []
     for chunk in windows.split(batch):
         labels = chunk[:, 1:].reshape(-1)
         t_logits = forward_logits(target, chunk[:, :-1])
@@ -154,7 +159,8 @@ def heldout_stats(
         sums["draft_loss"] += F.cross_entropy(d_logits, labels).item() * len(chunk)
         same = t_logits.argmax(-1) == d_logits.argmax(-1)
         sums["agreement"] += same.float().mean().item() * len(chunk)
-    return {name: value / len(windows) for name, value in sums.items()}
+        matches += same.view(len(chunk), -1).tolist()
+    return {name: value / len(windows) for name, value in sums.items()}, matches
 
 
 @torch.no_grad()
@@ -201,7 +207,7 @@ def run(run_dir: Path, target_dir: Path, draft_dir: Path, windows: int, new_toke
     tok = load_tokenizer(target_dir / "tokenizer.json")
     heldout_texts = corpus.load_corpus().texts("heldout")
     tokens = data.tokenize_documents(tok, heldout_texts)
-    stats = heldout_stats(target, draft, data.fixed_windows(tokens, windows, SEQ))
+    stats, text_matches = heldout_stats(target, draft, data.fixed_windows(tokens, windows, SEQ))
     prompts = prompt_ids(target_dir / "tokenizer.json")
     accept, greedy_agreement = simulate(target, draft, prompts, new_tokens)
     target_ms, draft_ms = decode_step_ms(target), decode_step_ms(draft)
@@ -213,6 +219,9 @@ def run(run_dir: Path, target_dir: Path, draft_dir: Path, windows: int, new_toke
             f"exact greedy simulation: target greedy continuation of {new_tokens} tokens from "
             f"each of {len(prompts)} held-out prompts, draft teacher-forced over it"
         ),
+        "acceptance_length_heldout_text": {
+            str(k): acceptance(text_matches, k) for k in DRAFT_LENGTHS
+        },
         "decode_step_ms": {
             "target": target_ms,
             "draft": draft_ms,
@@ -234,7 +243,11 @@ def format_table(r: dict) -> str:
         f"target's greedy output {r['greedy_agreement']:.1%}",
         "acceptance length (tokens per verify step; " + r["acceptance_method"] + ")",
     ]
-    lines += [f"  k={k}: {v:.2f}" for k, v in r["acceptance_length"].items()]
+    text = r["acceptance_length_heldout_text"]
+    lines += [
+        f"  k={k}: {v:.2f}   (teacher-forced on held-out text: {text[k]:.2f})"
+        for k, v in r["acceptance_length"].items()
+    ]
     lines.append(
         f"decode step, batch 1, {steps['context']}-token context, {steps['threads']} threads: "
         f"target {steps['target']:.2f} ms, draft {steps['draft']:.2f} ms "
