@@ -321,6 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, (kind, metavar, default, text) in flags.items():
         shown = "" if default is None else f" (default: {default})"
         parser.add_argument(flag, type=kind, metavar=metavar, default=default, help=text + shown)
+    parser.add_argument(
+        "--sampled-drafts",
+        action="store_true",
+        help="draft model: sample drafts from its processed distribution instead of taking the "
+        "argmax (accepts far more at temperature > 0)",
+    )
     return parser
 
 
@@ -331,7 +337,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, S
     if a.draft is not None and a.speculative in ("none", "ngram"):
         parser.error(f"--draft is not used with --speculative {a.speculative}")
     try:
-        spec = SpecConfig(a.speculative, a.draft, a.num_speculative_tokens)
+        spec = SpecConfig(a.speculative, a.draft, a.num_speculative_tokens, a.sampled_drafts)
         kv = KVConfig(page_size=a.page_size, num_pages=a.num_pages)
         config = EngineConfig(
             model=a.model,

@@ -111,6 +111,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument(
+        "--sampled-drafts", action="store_true", help="also the draft model drafting by sampling"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     kv = KVConfig(page_size=16, num_pages=4096)
@@ -118,6 +121,9 @@ def main() -> None:
         method: EngineConfig(kv=kv, spec=SpecConfig(method=method, num_speculative_tokens=args.k))
         for method in ("none", "draft", "ngram")
     }
+    if args.sampled_drafts:
+        spec = SpecConfig("draft", num_speculative_tokens=args.k, sampled_drafts=True)
+        configs["draft-sampled"] = EngineConfig(kv=kv, spec=spec)
     table = asyncio.run(measure(configs, args.batches, args))
     by_k = asyncio.run(acceptance_by_k(configs["draft"], [2, 3, 4, 5, 6], args.new_tokens))
     print(
@@ -131,7 +137,8 @@ def main() -> None:
             f"{row['tokens_per_s'] / base:.2f}x | {row['acceptance_length']:.2f} | "
             f"{row['spec_token_share']:.0%} |"
         )
-    print("\n| k | " + " | ".join(map(str, by_k)) + " |\n|---" * (len(by_k) + 1) + "|")
+    print("\n| k | " + " | ".join(map(str, by_k)) + " |")
+    print("|---" * (len(by_k) + 1) + "|")
     print("| acceptance length | " + " | ".join(f"{v:.2f}" for v in by_k.values()) + " |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
