@@ -112,6 +112,13 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument(
+        "--ks",
+        type=int,
+        nargs="*",
+        default=[2, 3, 4, 5, 6],
+        help="draft lengths whose acceptance length is measured (none: skip)",
+    )
+    parser.add_argument(
         "--sampled-drafts", action="store_true", help="also the draft model drafting by sampling"
     )
     parser.add_argument("--out", type=Path)
@@ -125,7 +132,7 @@ def main() -> None:
         spec = SpecConfig("draft", num_speculative_tokens=args.k, sampled_drafts=True)
         configs["draft-sampled"] = EngineConfig(kv=kv, spec=spec)
     table = asyncio.run(measure(configs, args.batches, args))
-    by_k = asyncio.run(acceptance_by_k(configs["draft"], [2, 3, 4, 5, 6], args.new_tokens))
+    by_k = asyncio.run(acceptance_by_k(configs["draft"], args.ks, args.new_tokens))
     print(
         "\n| method | batch | temperature | tokens/s | speedup | acceptance length "
         "| spec share |\n|---|---|---|---|---|---|---|"
@@ -137,9 +144,10 @@ def main() -> None:
             f"{row['tokens_per_s'] / base:.2f}x | {row['acceptance_length']:.2f} | "
             f"{row['spec_token_share']:.0%} |"
         )
-    print("\n| k | " + " | ".join(map(str, by_k)) + " |")
-    print("|---" * (len(by_k) + 1) + "|")
-    print("| acceptance length | " + " | ".join(f"{v:.2f}" for v in by_k.values()) + " |")
+    if by_k:
+        print("\n| k | " + " | ".join(map(str, by_k)) + " |")
+        print("|---" * (len(by_k) + 1) + "|")
+        print("| acceptance length | " + " | ".join(f"{v:.2f}" for v in by_k.values()) + " |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         rows = [
