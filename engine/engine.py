@@ -180,6 +180,12 @@ class AsyncEngine:
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                 f"context length of {self.max_model_len} tokens"
             )
+        slots = self.scheduler.slots_needed(len(ids) + params.max_tokens)
+        if -(-slots // self.config.kv.page_size) > self.allocator.num_pages:
+            raise InvalidRequest(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) needs more KV "
+                f"pages than the engine has ({self.allocator.num_pages})"
+            )
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise Overloaded(f"{len(self.scheduler.waiting)} requests are already waiting")
         request_id = request_id or f"req-{next(self._ids)}"

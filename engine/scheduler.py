@@ -91,6 +91,10 @@ class Scheduler:
         batch = self._schedule_decode(step, lookahead)
         return batch if batch.seqs else None
 
+    def slots_needed(self, num_tokens: int) -> int:
+        """Slots a request of num_tokens committed tokens holds before its next decode step."""
+        return num_tokens + self.lookahead + 1
+
     def _exhausted(self, seq: Sequence) -> bool:
         """In-flight steps will take the sequence to its limit: nothing left to plan."""
         generated = seq.planned_tokens - len(seq.request.prompt_ids)
@@ -124,11 +128,10 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, budget: int, step: int, seqs: list, chunks: list) -> bool:
         chunk = min(budget, len(seq.prefill_ids) - seq.num_prefilled)
-        end = seq.num_prefilled + chunk
-        # the last chunk also reserves the slots of the first decode step
-        need = end + (self.lookahead + 1 if end == len(seq.prefill_ids) else 0)
+        # Admission reserves the whole prompt and the first decode step's slots: a request
+        # whose later chunks had to wait for pages could deadlock with others doing the same.
         try:
-            seq.table.grow(self.allocator, need)
+            seq.table.grow(self.allocator, self.slots_needed(len(seq.prefill_ids)))
         except OutOfPages:
             return False
         seq.last_step = step
