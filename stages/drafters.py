@@ -6,9 +6,13 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import SpecConfig
+from models.eagle import load_eagle_head
 from models.loader import load_model
+from models.mtp import load_mtp_head
 from stages.draft import Drafter, NgramDrafter, NoDrafter
 from stages.draft_model import DraftModelDrafter
+from stages.eagle_drafter import EagleDrafter
+from stages.mtp_drafter import MTPDrafter
 
 
 def build_drafter(spec: SpecConfig, engine: Any, demo_dir: Path) -> Drafter:
@@ -27,4 +31,18 @@ def build_drafter(spec: SpecConfig, engine: Any, demo_dir: Path) -> Drafter:
             )
         cache = engine._new_cache(model, engine.allocator.num_pages, engine.cache.data.dtype)
         return DraftModelDrafter(model, cache, engine.config.max_running, spec.sampled_drafts)
+    if spec.method == "eagle":
+        if not spec.draft:
+            raise ValueError(
+                "no demo EAGLE head is trained yet: name a head directory with --draft"
+            )
+        eagle = load_eagle_head(spec.draft, engine.model)  # one layer: a one-layer cache
+        cache = engine._new_cache(eagle, engine.allocator.num_pages, engine.cache.data.dtype)
+        return EagleDrafter(eagle, cache, engine.config.max_running, spec.sampled_drafts)
+    if spec.method == "mtp":
+        if not spec.draft:
+            raise ValueError("no demo MTP head is trained yet: name a head directory with --draft")
+        head = load_mtp_head(spec.draft, engine.model)
+        cache = engine._new_cache(head, engine.allocator.num_pages, engine.cache.data.dtype)
+        return MTPDrafter(head, cache, engine.config.max_running, spec.sampled_drafts)
     raise ValueError(f"speculative method {spec.method!r} is not available yet")
