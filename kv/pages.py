@@ -21,6 +21,7 @@ class PageAllocator:
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))
         self._parked: list[tuple[int, list[int]]] = []
+        self._completed_through = -1  # steps up to this one have completed
 
     @property
     def num_free(self) -> int:
@@ -45,13 +46,14 @@ class PageAllocator:
     def free(self, pages: list[int], after_step: int | None = None) -> None:
         if not pages:
             return
-        if after_step is None:
+        if after_step is None or after_step <= self._completed_through:
             self._free.extend(pages)
         else:
             self._parked.append((after_step, list(pages)))
 
     def release(self, completed_step: int) -> None:
         """Return the pages parked behind steps up to `completed_step`."""
+        self._completed_through = max(self._completed_through, completed_step)
         keep = []
         for step, pages in self._parked:
             if step <= completed_step:

@@ -93,6 +93,16 @@ def test_release_keeps_later_steps_parked():
     assert allocator.num_free == 4
 
 
+def test_pages_freed_behind_a_completed_step_return_at_once():
+    """Parking behind a step that has already completed would strand the pages: no later
+    release may come (the engine found this as a hang with every page parked)."""
+    allocator = PageAllocator(2)
+    pages = allocator.alloc(2)
+    allocator.release(5)
+    allocator.free(pages, after_step=4)
+    assert allocator.num_free == 2 and allocator.num_parked == 0
+
+
 def test_truncate_keeps_partial_page_and_grow_is_idempotent():
     allocator = PageAllocator(8)
     table = PageTable(page_size=4)
