@@ -9,6 +9,7 @@ import torch
 
 from engine.scheduler import Sequence
 from stages.plan import DevicePlan, Plan
+from stages.sample import SALT_DRAFT, SamplingTensors, process_logits, sample
 
 
 @dataclass
@@ -38,6 +39,20 @@ class Verdict:
     logprobs: torch.Tensor | None = None  # [B, W] logprob of each emitted token
     top_ids: torch.Tensor | None = None  # [B, W, n] the top-n tokens at each position
     top_logprobs: torch.Tensor | None = None  # [B, W, n]
+
+
+def choose_drafts(
+    logits: torch.Tensor,  # [B, V] drafter logits
+    st: SamplingTensors,
+    positions: torch.Tensor,  # [B] position of the token drafted
+    sampled: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(tokens [B], q [B, V] or None): the argmax (a point mass), or a draw from the processed
+    q, which the sampler then needs whole for the residual."""
+    if not sampled:
+        return logits.argmax(-1), None
+    q = process_logits(logits[:, None].float(), st, None, None)[:, 0]
+    return sample(q, st.seeds, positions, SALT_DRAFT), q
 
 
 class Drafter(Protocol):

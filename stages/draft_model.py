@@ -13,9 +13,8 @@ from engine.scheduler import Sequence
 from kv.cache import KVCache
 from models.attention import AttentionMetadata, TorchPagedAttention
 from models.llama import LlamaModel
-from stages.draft import Drafts, TargetOutput, Verdict
-from stages.plan import DevicePlan, Plan
-from stages.sample import SALT_DRAFT, SamplingTensors, process_logits, sample
+from stages.draft import Drafts, TargetOutput, Verdict, choose_drafts
+from stages.plan import DevicePlan, Plan, drafter_metadata
 
 
 class DraftModelDrafter:
@@ -42,11 +41,13 @@ class DraftModelDrafter:
 
     def propose(self, plan: Plan, dev: DevicePlan) -> Drafts:
         logits = self.deferred[dev.rows]  # [B, V]
-        tokens, probs = [], []
+        tokens: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
         for j in range(plan.k):
-            token, q = self._choose(logits, plan.sampling, dev.base + 1 + j)
+            token, q = choose_drafts(logits, plan.sampling, dev.base + 1 + j, self.sampled)
             tokens.append(token)
-            probs.append(q)
+            if q is not None:
+                probs.append(q)
             if j + 1 < plan.k:
                 logits = self._forward(
                     dev,
@@ -55,7 +56,7 @@ class DraftModelDrafter:
                     (dev.base + 1 + j)[:, None],
                     dev.tail_slots[:, j + 1 : j + 2],
                 )[:, 0]
-        return Drafts(torch.stack(tokens, 1), torch.stack(probs, 1) if self.sampled else None)
+        return Drafts(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None)
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
         inputs = out.input_ids.view(plan.batch_size, plan.width)
@@ -74,25 +75,10 @@ class DraftModelDrafter:
         logits = self._forward(dev, index, ids, positions, slots)
         self.deferred[pick(dev.rows)] = logits[:, 1]
 
-    def _choose(self, logits: torch.Tensor, st: SamplingTensors, position: torch.Tensor):
-        if not self.sampled:
-            return logits.argmax(-1), None
-        q = process_logits(logits[:, None], st, None, None)[:, 0]
-        return sample(q, st.seeds, position, SALT_DRAFT), q
-
     def _forward(self, dev, index, ids, positions, slots) -> torch.Tensor:
         """Draft logits [E, m, V] for m tokens per sequence (ids, positions, slots [E, m])."""
         e, m = ids.shape
-        meta = dev.target_meta
-        kv_slots = meta.kv_slots if index is None else meta.kv_slots[index]
-        kv_lens = meta.kv_lens if index is None else meta.kv_lens[index]
-        small = AttentionMetadata(
-            slot_mapping=slots.flatten(),
-            kv_slots=kv_slots,
-            kv_lens=kv_lens,
-            q_index=torch.arange(e * m, device=ids.device),
-            q_positions=positions,
-        )
+        small = drafter_metadata(dev, index, positions, slots)
         hidden, _ = self.model(ids.flatten(), positions.flatten(), self._attention(small))
         return self.model.logits(hidden).view(e, m, -1)
 

@@ -17,9 +17,8 @@ from engine.scheduler import Sequence
 from kv.cache import KVCache
 from models.attention import AttentionMetadata, TorchPagedAttention
 from models.eagle import EagleHead
-from stages.draft import Drafts, TargetOutput, Verdict
-from stages.plan import DevicePlan, Plan
-from stages.sample import SALT_DRAFT, SamplingTensors, process_logits, sample
+from stages.draft import Drafts, TargetOutput, Verdict, choose_drafts
+from stages.plan import DevicePlan, Plan, drafter_metadata
 
 
 class EagleDrafter:
@@ -73,11 +72,13 @@ class EagleDrafter:
     def propose(self, plan: Plan, dev: DevicePlan) -> Drafts:
         logits = self.deferred_logits[dev.rows]  # [B, V]
         feature = self.deferred_hidden[dev.rows]  # [B, H]
-        tokens, probs = [], []
+        tokens: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
         for j in range(plan.k):
-            token, q = self._choose(logits, plan.sampling, dev.base + 1 + j)
+            token, q = choose_drafts(logits, plan.sampling, dev.base + 1 + j, self.sampled)
             tokens.append(token)
-            probs.append(q)
+            if q is not None:
+                probs.append(q)
             if j + 1 < plan.k:
                 # pair (d_{j+1}, the head's guess of f_{base+j}) at position base + j
                 feature = self._forward(
@@ -89,7 +90,7 @@ class EagleDrafter:
                     dev.tail_slots[:, j : j + 1],
                 )[:, 0]
                 logits = self.head.logits(feature)
-        return Drafts(torch.stack(tokens, 1), torch.stack(probs, 1) if self.sampled else None)
+        return Drafts(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None)
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
         """Pairs (emitted token j, target feature at base + j) at positions base + j, for all
@@ -112,24 +113,11 @@ class EagleDrafter:
         self.deferred_hidden[rows] = kept
         self.deferred_logits[rows] = self.head.logits(kept)
 
-    def _choose(self, logits: torch.Tensor, st: SamplingTensors, position: torch.Tensor):
-        if not self.sampled:
-            return logits.argmax(-1), None
-        q = process_logits(logits[:, None], st, None, None)[:, 0]
-        return sample(q, st.seeds, position, SALT_DRAFT), q
-
     def _forward(self, dev, index, ids, features, positions, slots) -> torch.Tensor:
         """Head features [E, m, H] for m pairs per sequence (ids, positions, slots [E, m],
         features [E, m, H]), attending over the keys of the step's target metadata."""
         e, m = ids.shape
-        meta = dev.target_meta
-        small = AttentionMetadata(
-            slot_mapping=slots.flatten(),
-            kv_slots=meta.kv_slots if index is None else meta.kv_slots[index],
-            kv_lens=meta.kv_lens if index is None else meta.kv_lens[index],
-            q_index=torch.arange(e * m, device=ids.device),
-            q_positions=positions,
-        )
+        small = drafter_metadata(dev, index, positions, slots)
         flat = features.reshape(e * m, -1)
         hidden = self.head(ids.flatten(), flat, positions.flatten(), self._attention(small))
         return hidden.view(e, m, -1)

@@ -20,9 +20,8 @@ from engine.scheduler import Sequence
 from kv.cache import KVCache
 from models.attention import AttentionMetadata, TorchPagedAttention
 from models.mtp import MTPHead
-from stages.draft import Drafts, TargetOutput, Verdict
-from stages.plan import DevicePlan, Plan
-from stages.sample import SALT_DRAFT, SamplingTensors, process_logits, sample
+from stages.draft import Drafts, TargetOutput, Verdict, choose_drafts
+from stages.plan import DevicePlan, Plan, drafter_metadata
 
 
 class MTPDrafter:
@@ -69,11 +68,13 @@ class MTPDrafter:
         own hidden state at the previous position)."""
         logits = self.logits[dev.rows]  # [B, V]
         hidden = self.hidden[dev.rows]  # [B, H]
-        tokens, probs = [], []
+        tokens: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
         for j in range(plan.k):
-            token, q = self._choose(logits, plan.sampling, dev.base + 1 + j)
+            token, q = choose_drafts(logits, plan.sampling, dev.base + 1 + j, self.sampled)
             tokens.append(token)
-            probs.append(q)
+            if q is not None:
+                probs.append(q)
             if j + 1 < plan.k:
                 hidden = self._forward(
                     dev,
@@ -84,7 +85,7 @@ class MTPDrafter:
                     dev.tail_slots[:, j + 1 : j + 2],
                 )[:, 0]
                 logits = self.head.logits(hidden)
-        return Drafts(torch.stack(tokens, 1), torch.stack(probs, 1) if self.sampled else None)
+        return Drafts(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None)
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
         """Rewrite the head's KV over the committed span with the target's hidden states.
@@ -109,28 +110,12 @@ class MTPDrafter:
         self.hidden[rows] = hidden
         self.logits[rows] = self.head.logits(hidden).float()
 
-    def _choose(self, logits: torch.Tensor, st: SamplingTensors, position: torch.Tensor):
-        """(token [B], q [B, V] or None): the argmax, or a draw from the processed q."""
-        if not self.sampled:
-            return logits.argmax(-1), None
-        q = process_logits(logits[:, None].float(), st, None, None)[:, 0]
-        return sample(q, st.seeds, position, SALT_DRAFT), q
-
     def _forward(self, dev, index, ids, hidden, positions, slots) -> torch.Tensor:
         """Head block outputs [E, m, H] for m pairs per sequence (ids, positions, slots [E, m],
         hidden [E, m, H]) of the sequences `index` (None: all), attending over the target's key
         slots with their own query positions."""
         e, m = ids.shape
-        meta = dev.target_meta
-        kv_slots = meta.kv_slots if index is None else meta.kv_slots[index]
-        kv_lens = meta.kv_lens if index is None else meta.kv_lens[index]
-        small = AttentionMetadata(
-            slot_mapping=slots.flatten(),
-            kv_slots=kv_slots,
-            kv_lens=kv_lens,
-            q_index=torch.arange(e * m, device=ids.device),
-            q_positions=positions,
-        )
+        small = drafter_metadata(dev, index, positions, slots)
         h = self.head(
             ids.flatten(), hidden.flatten(0, 1), positions.flatten(), self._attention(small)
         )

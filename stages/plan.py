@@ -203,6 +203,26 @@ def _pad(values: list[int], width: int, fill: int) -> list[int]:
     return (list(values) + [fill] * width)[:width]
 
 
+def drafter_metadata(
+    dev: DevicePlan,
+    index: torch.Tensor | None,  # [E] sequences taking part (None: all)
+    positions: torch.Tensor,  # [E, m] query positions
+    slots: torch.Tensor,  # [E, m] slots the m tokens write
+) -> AttentionMetadata:
+    """Attention for a drafter forward of m tokens per sequence inside a step: it reuses the
+    step's key slots (they cover every position the step writes); causality by position hides
+    the keys past each query."""
+    meta = dev.target_meta
+    e, m = positions.shape
+    return AttentionMetadata(
+        slot_mapping=slots.flatten(),
+        kv_slots=meta.kv_slots if index is None else meta.kv_slots[index],
+        kv_lens=meta.kv_lens if index is None else meta.kv_lens[index],
+        q_index=torch.arange(e * m, device=positions.device),
+        q_positions=positions,
+    )
+
+
 def pack(sections: dict[str, list[int]]) -> tuple[list[int], dict[str, tuple[int, int]]]:
     """One flat int list and each section's (offset, length) in it."""
     flat: list[int] = []
