@@ -89,7 +89,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = write_model(Path(tmp), layers=4, hidden=256, scale=0.5)
-        rows = {"on": [], "off": []}
+        rows: dict[str, list[dict]] = {"on": [], "off": []}
         for _ in range(args.repeats):  # interleaved, so drift hits both alike
             for mode in rows:
                 rows[mode].append(asyncio.run(run(model, args.requests, args.delay, mode == "on")))

@@ -72,7 +72,7 @@ class TorchPagedAttention:
         self.meta = meta
         self.cache = cache
         ps = cache.page_size
-        write = cache.key_rows(meta.slot_mapping).long()  # [T]
+        write = cache.key_rows(meta.slot_mapping)  # [T]
         self.write_rows = (write, write + ps)  # key and value rows
         read = cache.key_rows(meta.kv_slots).flatten()  # [B * Lmax]
         # keys then values; index_select copies whole rows (much faster than x[rows] on a CPU)
@@ -94,8 +94,8 @@ class TorchPagedAttention:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         store = self.cache.layer_rows(layer)  # [pages * 2 * page_size, Hkv, D]
-        store.index_copy_(0, self.write_rows[0], k.to(store.dtype))
-        store.index_copy_(0, self.write_rows[1], v.to(store.dtype))
+        store[self.write_rows[0]] = k.to(store.dtype)
+        store[self.write_rows[1]] = v.to(store.dtype)
         meta = self.meta
         b, qmax, lmax = meta.num_seqs, meta.max_q, meta.kv_slots.shape[1]
         hq, d = q.shape[1], q.shape[2]
