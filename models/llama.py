@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.attention import Attention
+from models.linear import PackedLinear, pack_linears
 
 
 @dataclass(frozen=True)
@@ -104,14 +105,19 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=False)
+        self.qkv: PackedLinear | None = None  # q|k|v fused for inference (prepare_for_inference)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Attention
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = rotate(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = rotate(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = self.qkv.split(x)
+        q = rotate(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = rotate(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         return self.o_proj(attn(self.layer, q, k, v).reshape(t, -1))
 
 
@@ -121,9 +127,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up: PackedLinear | None = None  # gate|up fused for inference
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up.split(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -141,6 +152,20 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def prepare_for_inference(module: nn.Module) -> None:
+    """Fuse q|k|v and gate|up and pack every linear below `module` (models/linear.py); the
+    outputs equal the plain forward's up to float rounding. Inference only: no backward."""
+    fused: set[nn.Module] = set()
+    for sub in list(module.modules()):
+        if isinstance(sub, SelfAttention) and sub.qkv is None:
+            sub.qkv = PackedLinear([sub.q_proj, sub.k_proj, sub.v_proj])
+            fused |= {sub.q_proj, sub.k_proj, sub.v_proj}
+        elif isinstance(sub, MLP) and sub.gate_up is None:
+            sub.gate_up = PackedLinear([sub.gate_proj, sub.up_proj])
+            fused |= {sub.gate_proj, sub.up_proj}
+    pack_linears(module, skip=fused)
 
 
 class Rotary(nn.Module):

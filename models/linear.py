@@ -1,0 +1,71 @@
+"""Inference-time projections: linears that read the same input fused into one product, with
+weights prepacked for oneDNN on the CPU.
+
+Why: a verify pass multiplies M = k + 1 rows per sequence by every weight. On the CPU, the
+default (MKL) product costs 2-3x more at 2 <= M <= 8 than at M = 1 although the weights are
+read once either way, while oneDNN's prepacked path stays nearly flat up to M = 16 and is no
+slower at M = 1 over a whole step (`python -m bench.verify_cost`). Fusing q|k|v and gate|up
+also halves the calls, each of which costs tens of microseconds at the demo's shapes.
+Training never uses these (the prepacked path has no backward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PACK_ROWS_HINT = 8  # oneDNN picks its blocking for this many rows: verify passes are 2-16
+
+
+class PackedLinear(nn.Module):
+    """y = x @ W.T + b for x [T, I], with W [O, I] the given linears' weights stacked."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, linears: Sequence[nn.Linear]):
+        super().__init__()
+        if len(linears) == 1:  # the same parameters: the state_dict keeps their names
+            self.weight, self.bias = linears[0].weight, linears[0].bias
+        else:  # stacked copies, outside the state_dict (the fused linears keep theirs)
+            stacked = torch.cat([lin.weight.detach() for lin in linears])  # [O, I]
+            self.register_buffer("weight", stacked, persistent=False)
+            biases = [lin.bias for lin in linears]
+            bias = None
+            if any(b is not None for b in biases):
+                bias = torch.cat(
+                    [b.detach() if b is not None else stacked.new_zeros(lin.out_features)
+                     for b, lin in zip(biases, linears, strict=True)]
+                )  # fmt: skip
+            self.register_buffer("bias", bias, persistent=False)
+        self.sizes = [lin.out_features for lin in linears]
+        self.packed = None
+        w = self.weight
+        if (
+            w.device.type == "cpu"
+            and w.dtype == torch.float32
+            and torch.backends.mkldnn.is_available()
+        ):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(
+            x.contiguous(), self.packed, self.bias, "none", [], ""
+        )
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The product split back into the fused linears' outputs."""
+        return self(x).split(self.sizes, dim=-1)
+
+
+def pack_linears(module: nn.Module, skip: Collection[nn.Module] = ()) -> None:
+    """Swap every plain nn.Linear below `module` (but those in `skip`) for a PackedLinear."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child not in skip:
+                setattr(parent, name, PackedLinear([child]))

@@ -1,0 +1,47 @@
+"""Inference projections: fused and prepacked linears give the plain model's outputs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from models.attention import CausalAttention
+from models.linear import PackedLinear
+from models.llama import LlamaConfig, LlamaModel, prepare_for_inference
+
+CFG = LlamaConfig(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    attention_bias=True,
+)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 16, 33])
+def test_packed_linear_equals_the_fused_products(rows):
+    linears = [torch.nn.Linear(64, n, bias=b) for n, b in ((32, True), (16, False), (8, True))]
+    fused = PackedLinear(linears)
+    x = torch.randn(rows, 64)
+    with torch.inference_mode():
+        for got, lin in zip(fused.split(x), linears, strict=True):
+            torch.testing.assert_close(got, lin(x), atol=1e-5, rtol=1e-5)
+
+
+def test_prepared_model_matches_the_plain_forward():
+    model = LlamaModel(CFG).eval()
+    prepared = copy.deepcopy(model)
+    prepare_for_inference(prepared)
+    assert prepared.layers[0].self_attn.qkv is not None
+    assert set(prepared.state_dict()) == set(model.state_dict())  # checkpoint names kept
+    ids = torch.randint(CFG.vocab_size, (12,))
+    positions = torch.arange(12)
+    with torch.inference_mode():
+        want, _ = model(ids, positions, CausalAttention(1, 12))
+        got, _ = prepared(ids, positions, CausalAttention(1, 12))
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(prepared.logits(got), model.logits(want), atol=1e-4, rtol=1e-4)
