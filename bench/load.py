@@ -26,6 +26,7 @@ from typing import Any
 
 import uvloop
 
+from bench.common import percentile
 from client import TandemClient, TandemError
 
 PROMPTS = [
@@ -83,13 +84,6 @@ async def one_client(client: TandemClient, index: int, leaves: bool, args: Any) 
     except Exception as e:  # a load test reports a broken connection, it does not stop
         out.error = f"{type(e).__name__}: {e}"
     return out
-
-
-def percentile(values: list[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
 def metric(text: str, name: str) -> float | None:

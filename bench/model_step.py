@@ -15,19 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 import warnings
-from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
 import torch
 import transformers
 
+from bench.common import paged_attention, paged_tables, timed
 from kv.cache import KVCache
-from kv.pages import PageAllocator
-from kv.table import PageTable, build_csr
-from models.attention import TorchPagedAttention, paged_metadata
+from kv.table import PageTable
 from models.llama import LlamaConfig, LlamaModel
 
 PAGE_SIZE = 16
@@ -73,36 +70,20 @@ class OursDecode:
     def __init__(self, model: LlamaModel, prompts: torch.Tensor):  # prompts [B, context]
         cfg = model.config
         batch, self.context = prompts.shape
-        pages_per_seq = -(-(self.context + 1) // PAGE_SIZE)
-        allocator = PageAllocator(batch * pages_per_seq)
+        allocator, self.tables = paged_tables(batch, self.context + 1, PAGE_SIZE)
         self.model = model
         self.cache = KVCache(
             cfg.num_layers, allocator.num_pages, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim
         )
-        self.tables = [PageTable(PAGE_SIZE) for _ in range(batch)]
-        for table in self.tables:
-            table.grow(allocator, self.context + 1)
         for table, prompt in zip(self.tables, prompts, strict=True):  # prefill one by one
             self.forward([table], prompt, start=0)
 
     def forward(self, tables: list[PageTable], ids: torch.Tensor, start: int) -> torch.Tensor:
         """Each table's sequence gets len(ids) // len(tables) tokens from `start` on; [B, vocab]."""
         q_len = ids.shape[0] // len(tables)
-        end = start + q_len
-        csr = build_csr(tables, [end] * len(tables), [q_len] * len(tables))
-        positions = torch.arange(start, end).repeat(len(tables))  # [T]
-        meta = paged_metadata(
-            torch.tensor(csr.qo_indptr, dtype=torch.int32),
-            torch.tensor(csr.kv_indptr, dtype=torch.int32),
-            torch.tensor(csr.kv_indices, dtype=torch.int32),
-            torch.tensor(csr.kv_last_page_len, dtype=torch.int32),
-            positions,
-            torch.tensor([s for t in tables for s in t.slots(start, end)], dtype=torch.int32),
-            PAGE_SIZE,
-            q_len,
-            end,
+        attn, positions = paged_attention(
+            tables, self.cache, self.model.config.num_heads, start, q_len
         )
-        attn = TorchPagedAttention(meta, self.cache, self.model.config.num_heads)
         hidden, _ = self.model(ids, positions, attn)
         return self.model.logits(hidden[q_len - 1 :: q_len])
 
@@ -133,12 +114,6 @@ class HFDecode:
 
     def rewind(self) -> None:
         self.cache.crop(-1)  # drop the decoded token's KV
-
-
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def bench_batch(

@@ -1,0 +1,239 @@
+"""What bench.speed makes of its samples: one row per cell (medians and pooled acceptance),
+the speedup over `none`, the ideal speedup and efficiency, issue 11's aims, and the outputs
+(a Markdown table, a JSON file, a PNG plot). With the forwards timed alone at the cell's
+shapes (bench/runners.py):
+
+    ideal      = tau * step time without speculation / (drafter forwards + verify forward)
+    efficiency = decode speedup / ideal = (drafter forwards + verify forward) / step time
+    overhead   = step time - (drafter forwards + verify forward)
+
+where tau is the mean acceptance length (tokens emitted per verify step). Plain decoding (no
+drafter, one token) gets the same columns for `none`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import percentile
+from bench.runners import HF_METHODS, Sample
+
+
+def med(values: Iterable[float]) -> float:
+    """The median of the values that are not NaN; NaN if none is."""
+    finite = [v for v in values if not math.isnan(v)]
+    return statistics.median(finite) if finite else math.nan
+
+
+def summarize(samples: list[Sample]) -> dict[str, Any]:
+    """Speeds: medians over the repeats; acceptance: counts pooled over the repeats."""
+    spec, tokens = sum(s.spec_steps for s in samples), sum(s.tokens for s in samples)
+    accepted, drafts = sum(s.accepted for s in samples), sum(s.drafts for s in samples)
+    emitted = accepted + spec
+    per_pos = [sum(p) for p in zip(*(s.per_pos for s in samples), strict=False)]
+    widths = [w for s in samples for w in s.widths]
+    return {
+        "tokens_per_s": med(s.tokens / s.seconds for s in samples),
+        "run_s": med(s.seconds for s in samples),
+        "ttft_ms": med(percentile(s.ttfts, 50) for s in samples) * 1e3,
+        "itl_p50_ms": med(percentile(s.gaps, 50) for s in samples) * 1e3,
+        "itl_p99_ms": med(percentile(s.gaps, 99) for s in samples) * 1e3,
+        "step_ms": med(statistics.fmean(s.steps) if s.steps else math.nan for s in samples) * 1e3,
+        "verify_width": statistics.fmean(widths) if widths else math.nan,
+        "acceptance_length": emitted / spec if spec else 1.0,
+        "acceptance_per_position": [p / drafts for p in per_pos] if drafts else [],
+        "spec_token_share": emitted / tokens if tokens else 0.0,
+        "mean_k": sum(s.draft_tokens for s in samples) / spec if spec else 0.0,
+        "verify_ms": med(s.verify_s for s in samples) * 1e3,
+        "drafting_ms": med(s.drafting_s for s in samples) * 1e3,
+    }
+
+
+def efficiency(row: dict[str, Any], base_step_ms: float) -> dict[str, float]:
+    """Ideal speedup, efficiency and per-step overhead (see the module docstring)."""
+    forwards = row["drafting_ms"] + row["verify_ms"]
+    ideal = row["acceptance_length"] * base_step_ms / forwards
+    decode_speedup = row["acceptance_length"] * base_step_ms / row["step_ms"]
+    return {
+        "forwards_ms": forwards,
+        "overhead_ms": row["step_ms"] - forwards,
+        "cost_ratio": forwards / base_step_ms,  # a speculative step's forwards / a plain step
+        "ideal_speedup": ideal,
+        "decode_speedup": decode_speedup,
+        "efficiency": decode_speedup / ideal,
+    }
+
+
+def build_rows(samples: dict[tuple, list[Sample]]) -> list[dict[str, Any]]:
+    """One row per cell: the summary, the speedup over `none` at the same batch size and
+    temperature, and for engine methods the ideal speedup and efficiency."""
+    rows = {cell: summarize(s) for cell, s in samples.items()}
+    base = {(b, t): r for (m, b, t), r in rows.items() if m.kind == "none"}
+    out = []
+    for (method, batch, temp), summary in rows.items():
+        row = {"method": method.name, "kind": method.kind, "k_mode": method.k_mode}
+        row |= {"batch": batch, "temperature": temp, **summary}
+        none = base.get((batch, temp))
+        row["speedup"] = row["tokens_per_s"] / none["tokens_per_s"] if none else math.nan
+        if none and not method.is_hf and not math.isnan(row["step_ms"] + none["step_ms"]):
+            row |= efficiency(row, none["step_ms"])
+        out.append(row)
+    return out
+
+
+# ---- the aims ----
+
+
+def find(rows: list[dict], kind: str, batch: int, temp: float) -> dict | None:
+    return next(
+        (r for r in rows if (r["kind"], r["batch"], r["temperature"]) == (kind, batch, temp)),
+        None,
+    )
+
+
+def aims(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 11's requirements and aims at batch 1, each with its measured value, whether it
+    is met, and what limits the row (tau, cost ratio, overhead, efficiency)."""
+    drafters = [r for r in rows if r["batch"] == 1 and r["kind"] not in ("none", *HF_METHODS)]
+    out = [  # a drafter whose efficiency could not be measured shows as not met (NaN)
+        aim(
+            f"efficiency of {r['method']} at t={r['temperature']:g}",
+            r,
+            r.get("efficiency", math.nan),
+            0.85,
+        )
+        for r in drafters
+    ]
+    for temp in sorted({r["temperature"] for r in rows}):
+        kinds = ("none", "hf-generate", "hf-assisted")
+        none, plain, assisted = (find(rows, kind, 1, temp) for kind in kinds)
+        mine = [r for r in drafters if r["temperature"] == temp]
+        best = max(mine, key=lambda r: r["tokens_per_s"], default=None)
+        if none and plain:
+            ratio = none["tokens_per_s"] / plain["tokens_per_s"]
+            out.append(aim(f"none / hf-generate at t={temp:g}", none, ratio, 1.0))
+        if best:
+            name = f"best drafter ({best['method']}) / none at t={temp:g}"
+            out.append(aim(name, best, best["speedup"], 2.0 if temp == 0 else 1.5))
+        if best and assisted and temp == 0:
+            ratio = best["tokens_per_s"] / assisted["tokens_per_s"]
+            out.append(
+                aim(f"best drafter ({best['method']}) / hf-assisted at t=0", best, ratio, 1.5)
+            )
+    draft = find(rows, "draft", 1, 0.0)
+    if draft:
+        out.append(aim("draft / none at t=0", draft, draft["speedup"], 1.6))
+    return out
+
+
+def aim(name: str, row: dict[str, Any], value: float, target: float) -> dict[str, Any]:
+    limits = ("acceptance_length", "cost_ratio", "overhead_ms", "efficiency")
+    return {
+        "aim": name,
+        "target": target,
+        "value": value,
+        "met": value >= target,
+        "row": {k: row[k] for k in ("method", "batch", "temperature")},
+        "limits": {k: row.get(k) for k in limits},
+    }
+
+
+# ---- the outputs ----
+
+COLUMNS = (
+    ("method", "method", "{}"),
+    ("batch", "batch", "{}"),
+    ("temp", "temperature", "{:g}"),
+    ("tok/s", "tokens_per_s", "{:.1f}"),
+    ("speedup", "speedup", "{:.2f}x"),
+    ("TTFT ms", "ttft_ms", "{:.0f}"),
+    ("ITL p50 ms", "itl_p50_ms", "{:.1f}"),
+    ("ITL p99 ms", "itl_p99_ms", "{:.1f}"),
+    ("tau", "acceptance_length", "{:.2f}"),
+    ("accepted by position", "acceptance_per_position", None),
+    ("spec share", "spec_token_share", "{:.0%}"),
+    ("step ms", "step_ms", "{:.1f}"),
+    ("forwards ms", "forwards_ms", "{:.1f}"),
+    ("overhead ms", "overhead_ms", "{:.1f}"),
+    ("ideal", "ideal_speedup", "{:.2f}x"),
+    ("efficiency", "efficiency", "{:.2f}"),
+)
+
+
+def cell_text(value: Any, fmt: str | None) -> str:
+    if value is None or isinstance(value, float) and math.isnan(value):
+        return "-"
+    if fmt is None:  # a list of rates
+        return " / ".join(f"{v:.2f}" for v in value) or "-"
+    return fmt.format(value)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    head = "| " + " | ".join(c[0] for c in COLUMNS) + " |"
+    rule = "|" + "---|" * len(COLUMNS)
+    order = sorted(rows, key=lambda r: (r["temperature"], r["batch"]))
+    body = [
+        "| " + " | ".join(cell_text(r.get(key), fmt) for _, key, fmt in COLUMNS) + " |"
+        for r in order
+    ]
+    return "\n".join([head, rule, *body])
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Tokens/s by batch size, one line per engine method and a marker per transformers
+    method, one panel per temperature."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = sorted({r["temperature"] for r in rows})
+    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4.5), squeeze=False)
+    for ax, temp in zip(axes[0], temps, strict=True):
+        for name in dict.fromkeys(r["method"] for r in rows):
+            mine = sorted(
+                (r for r in rows if r["method"] == name and r["temperature"] == temp),
+                key=lambda r: r["batch"],
+            )
+            style = "s" if mine and mine[0]["kind"] in HF_METHODS else "o-"
+            ax.plot(
+                [r["batch"] for r in mine], [r["tokens_per_s"] for r in mine], style, label=name
+            )
+        batches = sorted({r["batch"] for r in rows})
+        ax.set(xlabel="batch size", ylabel="output tokens/s", title=f"temperature {temp:g}")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, labels=[str(b) for b in batches])
+        ax.minorticks_off()
+        ax.grid(True, alpha=0.3)
+    axes[0][-1].legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_json(path: Path, args: argparse.Namespace, rows: list, goals: list, wall: float) -> None:
+    """The settings, the rows and the aims as standard JSON (NaN written as null)."""
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    document = {"settings": settings, "threads": torch.get_num_threads(), "wall_s": wall}
+    document |= {"rows": rows, "aims": goals}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(without_nan(document), indent=2) + "\n")
+
+
+def without_nan(value: Any) -> Any:
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: without_nan(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [without_nan(v) for v in value]
+    return value

@@ -1,0 +1,376 @@
+"""The runners of bench.speed, one per method: each runs a cell (method, batch size,
+temperature) and returns a Sample of what it cost. EngineRunner drives our AsyncEngine and
+reads its step timeline and metrics; HFRunner drives transformers' `generate` at batch 1.
+Also the names of the methods and the Sample a cell fills, which the CLI and the report share.
+
+An engine cell's step time is the mean wall time of a decode step while the whole group
+decodes (from the step timeline). After the cell, on the engine's compute thread, the target
+over the verify width and the drafter's forwards are timed alone at the cell's shapes and the
+context length seen (mean prompt plus half the new tokens). The drafter forwards of a chain
+step are k one-token forwards (k the mean number of draft tokens per speculative step), and of
+a tree step one forward per level over its nodes (`tree_levels`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import median_seconds, paged_attention, paged_tables
+from engine.config import EngineConfig, SpecConfig
+from engine.engine import AsyncEngine
+from engine.request import FinishReason, SamplingParams
+from engine.trace import Tracer
+from kv.cache import KVCache
+from models.llama import LlamaModel
+from stages.draft import NoDrafter
+
+ENGINE_METHODS = (
+    "none",
+    "draft",
+    "ngram",
+    "eagle-chain",
+    "eagle-fixed",
+    "eagle-dynamic",
+    "mtp-1",
+    "mtp-k",
+)
+HF_METHODS = ("hf-generate", "hf-assisted", "hf-prompt-lookup")
+PAGE_SIZE = 16
+TRACE_KEEP = 1 << 20  # step-timeline records kept in memory (a cell clears them)
+FORWARD_REPEATS = 5  # timed calls per forward measured alone, per cell and repeat (median)
+
+
+class MethodUnavailable(RuntimeError):
+    """A method that was asked for cannot run as the code stands; the message says why."""
+
+
+@dataclass(frozen=True)
+class Method:
+    kind: str  # one of ENGINE_METHODS or HF_METHODS
+    k_mode: str = "fixed"  # "fixed": k as given; "engine": the engine's default choice of k
+
+    @property
+    def name(self) -> str:
+        return self.kind if self.k_mode == "fixed" else f"{self.kind} (engine k)"
+
+    @property
+    def is_hf(self) -> bool:
+        return self.kind in HF_METHODS
+
+
+@dataclass
+class Sample:
+    """One method at one batch size and temperature, one repeat."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    ttfts: list[float] = field(default_factory=list)  # per request, seconds
+    gaps: list[float] = field(default_factory=list)  # per token after the first, seconds
+    steps: list[float] = field(default_factory=list)  # full-batch decode step times, seconds
+    widths: list[float] = field(default_factory=list)  # verify tokens per sequence, per step
+    spec_steps: int = 0  # per request, verify steps that speculated (summed)
+    draft_tokens: int = 0
+    accepted: int = 0
+    drafts: float = 0.0  # drafts verified (the engine's metric)
+    per_pos: list[float] = field(default_factory=list)  # drafts accepted through position i
+    verify_s: float = math.nan  # the verify forward alone (target over the verify width)
+    drafting_s: float = 0.0  # a step's drafter forwards alone (chain: mean k of one token)
+
+
+# ---- our engine ----
+
+
+class EngineRunner:
+    """Runs request groups through one AsyncEngine and reads back what they cost."""
+
+    def __init__(self, method: Method, config: EngineConfig):
+        self.method = method
+        try:
+            self.engine = AsyncEngine(config)
+        except Exception as error:  # a drafter that is not built or not trained fails loudly
+            raise MethodUnavailable(f"{method.name}: {type(error).__name__}: {error}") from error
+        self.engine.tracer = Tracer(keep=TRACE_KEEP)  # the step timeline, in memory
+        self.draft_module = drafter_module(method, self.engine.drafter)
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def stop(self) -> None:
+        await self.engine.stop()
+
+    async def run(
+        self, groups: list[list[list[int]]], temperature: float, seed: int, max_tokens: int
+    ) -> Sample:
+        sample, records = Sample(), self.engine.tracer.records
+        assert records is not None
+        before = spec_counters(self.engine.metrics.render())
+        for group in groups:
+            records.clear()
+            start = time.perf_counter()
+            streams = [
+                self.engine.submit(ids, params(temperature, seed + i, max_tokens))
+                for i, ids in enumerate(group)
+            ]
+            await asyncio.gather(*(self._consume(s, start, sample) for s in streams))
+            sample.seconds += time.perf_counter() - start
+            steps, widths = decode_steps(list(records), len(group))
+            sample.steps += steps
+            sample.widths += widths
+        after = spec_counters(self.engine.metrics.render())
+        sample.drafts = after[0] - before[0]
+        sample.per_pos = [a - b for a, b in zip(after[1], before[1], strict=False)]
+        if sample.widths:
+            width = max(1, round(statistics.fmean(sample.widths)))
+            shape = (len(groups[0]), context_seen(groups, max_tokens), width)
+            sample.verify_s, draft_s = await self._forwards(*shape)
+            levels = tree_levels(self.engine.config.spec)
+            chain_k = sample.draft_tokens / sample.spec_steps if sample.spec_steps else 0.0
+            sample.drafting_s = sum(draft_s[n] for n in levels) if levels else chain_k * draft_s[1]
+        return sample
+
+    async def _consume(self, stream: Any, start: float, sample: Sample) -> None:
+        last = None
+        async for delta in stream:
+            now, n = time.perf_counter(), len(delta.token_ids)
+            if delta.finish_reason == FinishReason.ERROR:
+                raise RuntimeError(f"{self.method.name}: a request failed: {delta.error}")
+            if n and last is None:
+                sample.ttfts.append(now - start)
+            elif n:
+                sample.gaps += [(now - last) / n] * n
+            last = now if n else last
+            if delta.usage is not None:
+                u = delta.usage
+                sample.tokens += u.completion_tokens
+                sample.spec_steps += u.spec_steps
+                sample.draft_tokens += u.draft_tokens
+                sample.accepted += u.accepted_tokens
+
+    async def _forwards(
+        self, batch: int, context: int, width: int
+    ) -> tuple[float, dict[int, float]]:
+        """Seconds of the verify forward and of a drafter forward over n tokens a sequence (for
+        each n a step drafts with), each timed alone at the cell's shapes on the engine's
+        compute stream, the thread that runs them in the engine."""
+        widths = set(tree_levels(self.engine.config.spec) or [1])
+
+        def timed_alone() -> tuple[float, dict[int, float]]:
+            vocab, module = self.engine.vocab_size, self.draft_module
+            verify = time_forward(self.engine.model, vocab, batch, context, width)
+            if module is None:
+                return verify, dict.fromkeys(widths, 0.0)
+            return verify, {n: time_forward(module, vocab, batch, context, n) for n in widths}
+
+        return await asyncio.wrap_future(self.engine.compute.submit(timed_alone).future)
+
+
+def tree_levels(spec: SpecConfig) -> list[int] | None:
+    """Tokens a sequence of each drafter forward of a tree step (None for a chain, which runs
+    k forwards of one token: k - 1 drafting, one refill). A tree's first level comes from the
+    deferred logits; a fixed tree runs the head over the nodes of each depth but the last, a
+    dynamic tree over top-k nodes a level; then the refill (taken as one token)."""
+    if spec.tree == "fixed":
+        depths = [len(path) for path in spec.tree_paths]
+        return [depths.count(d) for d in range(1, max(depths))] + [1]
+    if spec.tree == "dynamic":
+        return [spec.tree_topk] * (spec.tree_depth - 1) + [1]
+    return None
+
+
+def params(temperature: float, seed: int, max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True
+    )
+
+
+def context_seen(groups: list[list[list[int]]], max_tokens: int) -> int:
+    """The mean context length over a cell: mean prompt plus half the new tokens."""
+    lengths = [len(ids) for group in groups for ids in group]
+    return round(statistics.fmean(lengths) + max_tokens / 2)
+
+
+def drafter_module(method: Method, drafter: Any) -> torch.nn.Module | None:
+    """The model a drafter runs (None for drafters that run none); resolved before measuring
+    so that a drafter this benchmark cannot time fails at once."""
+    if isinstance(drafter, NoDrafter):
+        return None
+    for name in ("model", "head"):
+        module = getattr(drafter, name, None)
+        if isinstance(module, torch.nn.Module):
+            return module
+    raise MethodUnavailable(
+        f"{method.name}: cannot time the {type(drafter).__name__}'s forward alone "
+        "(it has no `model` or `head` module)"
+    )
+
+
+def spec_counters(metrics_text: str) -> tuple[float, list[float]]:
+    """(drafts verified, per position the drafts accepted through it) from /metrics text."""
+    drafts = re.search(r"^tandem_spec_decode_num_drafts_total (\S+)$", metrics_text, re.M)
+    found = re.findall(
+        r'^tandem_spec_decode_num_accepted_tokens_per_pos_total\{position="(\d+)"\} (\S+)$',
+        metrics_text,
+        re.M,
+    )
+    per_pos = [float(v) for _, v in sorted(found, key=lambda pv: int(pv[0]))]
+    return (float(drafts.group(1)) if drafts else 0.0), per_pos
+
+
+def decode_steps(records: list[dict], batch: int) -> tuple[list[float], list[float]]:
+    """From a step timeline: the wall time of each decode step that follows another decode
+    step of the whole batch (end of refill to end of refill), and each such step's verify
+    tokens per sequence."""
+    plans = {r["step"]: r for r in records if r["stage"] == "plan"}
+    ends = {r["step"]: r["end"] for r in records if r["stage"] == "refill"}
+    full = sorted(s for s, p in plans.items() if p["kind"] == "decode" and p["batch_size"] == batch)
+    chosen = [s for s in full if s - 1 in plans and s - 1 in full and s in ends and s - 1 in ends]
+    steps = [ends[s] - ends[s - 1] for s in chosen]
+    return steps, [plans[s]["num_tokens"] / batch for s in chosen]
+
+
+def time_forward(
+    module: torch.nn.Module, vocab: int, batch: int, context: int, q_len: int
+) -> float:
+    """Median seconds of one forward plus logits of `module` over q_len tokens a sequence for
+    `batch` sequences with `context` tokens of KV each. A LlamaModel reads token ids; a head
+    also reads the target's hidden states (random here: the cost is the same)."""
+    cfg: Any = module.config
+    allocator, tables = paged_tables(batch, context + q_len, PAGE_SIZE)
+    cache = KVCache(cfg.num_layers, allocator.num_pages, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim)
+    attn, positions = paged_attention(tables, cache, cfg.num_heads, context, q_len)
+    ids = torch.randint(vocab, (batch * q_len,))  # [T]
+    if isinstance(module, LlamaModel):
+        run = lambda: module.logits(module(ids, positions, attn)[0])  # noqa: E731
+    else:
+        hidden = torch.randn(batch * q_len, cfg.hidden_size)  # [T, H]
+        run = lambda: module.logits(module(ids, hidden, positions, attn))  # noqa: E731
+    with torch.no_grad():
+        return median_seconds(run, FORWARD_REPEATS)
+
+
+# ---- transformers ----
+
+
+class HFRunner:
+    """transformers' `generate` at batch 1: plain, assisted by the draft model, or prompt
+    lookup; k tokens proposed a step, float32. It runs on a worker thread of its own, as the
+    engine's forwards do."""
+
+    def __init__(self, method: Method, target: Any, assistant: Any, k: int, eos: int):
+        self.method, self.target, self.assistant = method, target, assistant
+        self.k, self.eos = k, eos
+        self.forwards = 0  # the target's forward calls in the current generate
+        target.register_forward_hook(self._count)
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="hf")
+
+    def _count(self, *_: Any) -> None:
+        self.forwards += 1
+
+    async def start(self) -> None:
+        pass  # nothing to start: the models are loaded; kept for the runners' common shape
+
+    async def stop(self) -> None:
+        self.thread.shutdown()
+
+    async def run(
+        self, groups: list[list[list[int]]], temperature: float, seed: int, max_tokens: int
+    ) -> Sample:
+        sample = Sample()
+        loop = asyncio.get_running_loop()
+        for i, (ids,) in enumerate(groups):
+            args = (ids, temperature, seed + i, max_tokens, sample)
+            await loop.run_in_executor(self.thread, self._generate, *args)
+        return sample
+
+    def _generate(
+        self, ids: list[int], temperature: float, seed: int, max_tokens: int, sample: Sample
+    ) -> None:
+        torch.manual_seed(seed)
+        self.forwards, streamer = 0, TimingStreamer()
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = self.target.generate(
+                torch.tensor([ids]), streamer=streamer, **self.kwargs(temperature, max_tokens)
+            )
+        sample.seconds += time.perf_counter() - start
+        new = out.shape[1] - len(ids)
+        sample.tokens += new
+        sample.ttfts.append(streamer.times[0] - start)
+        sample.gaps += streamer.gaps()
+        if self.method.kind != "hf-generate":  # every forward after the prefill verifies
+            sample.spec_steps += self.forwards - 1
+            sample.accepted += new - self.forwards
+
+    def kwargs(self, temperature: float, max_tokens: int) -> dict[str, Any]:
+        kw: dict[str, Any] = dict(
+            max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=self.eos
+        )
+        kw |= (
+            dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+            if temperature
+            else {"do_sample": False}
+        )
+        if self.method.kind == "hf-assisted":
+            kw["assistant_model"] = self.assistant
+        elif self.method.kind == "hf-prompt-lookup":
+            kw["prompt_lookup_num_tokens"] = self.k
+        return kw
+
+
+class TimingStreamer:
+    """A transformers streamer that records when each chunk of new tokens arrives."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.counts: list[int] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:  # generate first puts the prompt
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+        self.counts.append(value.numel())
+
+    def end(self) -> None:
+        pass  # part of the streamer interface; the last chunk was recorded by put
+
+    def gaps(self) -> list[float]:
+        pairs = zip(self.times, self.times[1:], self.counts[1:], strict=False)
+        return [(b - a) / n for a, b, n in pairs for _ in range(n)]
+
+
+def hf_models(target: Path, draft: Path, k: int) -> tuple[Any, Any]:
+    """The target and the draft model in transformers, float32; the draft set up to propose
+    exactly k tokens a step (constant schedule, no confidence cut-off)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # deprecation notices about generate's arguments
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    target_model = load(target, dtype=torch.float32).eval()
+    assistant = load(draft, dtype=torch.float32).eval()
+    gen = assistant.generation_config
+    gen.num_assistant_tokens, gen.num_assistant_tokens_schedule = k, "constant"
+    gen.assistant_confidence_threshold = 0.0
+    return target_model, assistant
+
+
+def eos_id(target: Path) -> int:
+    """The target's end-of-sequence id (its first, if it lists several), as generate's pad."""
+    config = json.loads((target / "config.json").read_text())
+    eos = config.get("eos_token_id", 0)
+    return eos[0] if isinstance(eos, list) else int(eos or 0)
+
+
+Runner = EngineRunner | HFRunner  # what bench.speed drives: method, start, run, stop

@@ -1,0 +1,250 @@
+"""Speed of every drafter against no speculation and against transformers, in one run.
+
+    python -m bench.speed [--methods M ...] [--batches 1 4 16] [--temperatures 0 1]
+        [--repeats 5] [--max-tokens 128] [--prompts 8] [--k 4] [--k-mode fixed]
+        [--out bench/results/speed.json] [--plot bench/results/speed.png]
+
+On the held-out prompts, for each method, batch size and temperature: output tokens/s, time to
+first token, inter-token latency p50/p99 (each token counted with its share of the wait), mean
+acceptance length tau (tokens emitted per verify step), acceptance per draft position, the
+share of tokens from speculative steps, and the ideal speedup, efficiency and per-step
+overhead (defined in bench/report.py, measured as bench/runners.py says). Speeds are medians
+over the repeats, which are interleaved: each repeat runs every method once, round-robin,
+before the next repeat starts. At batch 1 the same prompts also run through transformers:
+plain `generate`, assisted generation with the draft model (a constant `num_assistant_tokens`
+= k) and prompt lookup. A cell's `prompts` requests run in groups of `batch` concurrent
+requests (at least one group).
+
+This module owns the command line, the methods' configurations and the measuring loop; the
+runners live in bench/runners.py and the rows, aims and outputs in bench/report.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from bench.common import heldout_prompts
+from bench.report import aims, build_rows, markdown_table, plot, write_json
+from bench.runners import (
+    ENGINE_METHODS,
+    HF_METHODS,
+    PAGE_SIZE,
+    EngineRunner,
+    HFRunner,
+    Method,
+    MethodUnavailable,
+    Runner,
+    Sample,
+    eos_id,
+    hf_models,
+)
+from engine.config import EngineConfig, KVConfig, SpecConfig
+from engine.engine import DEMO_DIR
+from models.tokenizer import Tokenizer
+
+ADAPTIVE_FIELD = "adaptive_k"  # SpecConfig's switch for the cost model that picks k per step
+MIN_REPEATS = 5
+
+
+# ---- methods -> configurations ----
+
+
+def spec_fields() -> set[str]:
+    return {f.name for f in dataclasses.fields(SpecConfig)}
+
+
+def k_mode_fields(k_mode: str) -> dict[str, Any]:
+    """SpecConfig overrides that pin k (fixed) or leave the engine's choice (engine)."""
+    names = spec_fields()
+    if k_mode == "engine":
+        return {}
+    if ADAPTIVE_FIELD in names:
+        return {ADAPTIVE_FIELD: False}
+    other = sorted(n for n in names if "adaptive" in n)
+    if other:
+        raise MethodUnavailable(
+            f"SpecConfig has {other} but no {ADAPTIVE_FIELD!r}: fixed k cannot be asked for; "
+            "update bench.speed.ADAPTIVE_FIELD"
+        )
+    return {}  # no cost model: k is fixed anyway
+
+
+def spec_config(method: Method, args: argparse.Namespace) -> SpecConfig:
+    """The speculative configuration of an engine method; MethodUnavailable if not built."""
+    base, _, variant = method.kind.partition("-")
+    if base == "none":
+        return SpecConfig()
+    fields: dict[str, Any] = {"method": base, "num_speculative_tokens": args.k}
+    directories = {"draft": args.draft_model, "eagle": args.eagle_head, "mtp": args.mtp_head}
+    fields["draft"] = directories.get(base)
+    if method.kind == "mtp-1":
+        fields["num_speculative_tokens"] = 1
+    if base == "eagle":
+        fields["tree"] = variant
+    fields |= k_mode_fields(method.k_mode)
+    try:
+        return SpecConfig(**fields)
+    except (TypeError, ValueError) as error:
+        raise MethodUnavailable(f"{method.name}: {error}") from error
+
+
+def methods_from(args: argparse.Namespace) -> list[Method]:
+    modes = {"fixed": ["fixed"], "engine": ["engine"], "both": ["fixed", "engine"]}[args.k_mode]
+    out = []
+    for kind in args.methods:
+        # the cost model picks k for chains with the host in the loop only
+        pinned = kind in (*HF_METHODS, "none", "mtp-1", "eagle-fixed", "eagle-dynamic")
+        out += [Method(kind)] if pinned else [Method(kind, mode) for mode in modes]
+    return out
+
+
+def target_dir(args: argparse.Namespace) -> Path:
+    return Path(args.model) if args.model else DEMO_DIR / "target"
+
+
+def build_runners(
+    methods: list[Method], args: argparse.Namespace, max_len: int
+) -> dict[Method, Runner]:
+    """Every runner, built before anything is timed: a method that cannot run stops the
+    benchmark here, with its reason (configurations first, as they fail fastest)."""
+    pages = max(args.batches) * -(-(max_len + 2 * args.k + 8) // PAGE_SIZE) * 2
+    kv = KVConfig(page_size=PAGE_SIZE, num_pages=pages)
+    configs = {
+        m: EngineConfig(args.model, spec_config(m, args), kv, max_running=max(args.batches))
+        for m in methods
+        if not m.is_hf
+    }
+    runners: dict[Method, Runner] = {m: EngineRunner(m, c) for m, c in configs.items()}
+    hf_methods = [m for m in methods if m.is_hf]
+    if hf_methods:
+        target, draft = target_dir(args), Path(args.draft_model or DEMO_DIR / "draft")
+        target_model, assistant = hf_models(target, draft, args.k)
+        for m in hf_methods:
+            runners[m] = HFRunner(m, target_model, assistant, args.k, eos_id(target))
+    return {m: runners[m] for m in methods}  # in the order asked for
+
+
+# ---- the measuring loop ----
+
+
+def request_groups(prompts: list[list[int]], batch: int, count: int) -> list[list[list[int]]]:
+    """ceil(count / batch) groups of `batch` prompts, taken in order (wrapping)."""
+    groups = max(1, -(-count // batch))
+    return [[prompts[(g * batch + i) % len(prompts)] for i in range(batch)] for g in range(groups)]
+
+
+async def measure(
+    runners: dict[Method, Runner], prompts: list[list[int]], args: argparse.Namespace
+) -> dict[tuple, list[Sample]]:
+    """Samples per (method, batch, temperature), repeats interleaved over the methods."""
+    cells = [
+        (m, b, t)
+        for b in args.batches
+        for t in args.temperatures
+        for m in runners
+        if not m.is_hf or b == 1
+    ]
+    groups = {b: request_groups(prompts, b, args.prompts) for b in args.batches}
+    for runner in runners.values():
+        await runner.start()
+        for b in [1] if runner.method.is_hf else args.batches:  # warm-up, untimed
+            await runner.run(groups[b][:1], 0.0, 0, min(8, args.max_tokens))
+    samples: dict[tuple, list[Sample]] = {cell: [] for cell in cells}
+    with tqdm(total=len(cells) * args.repeats, desc="bench.speed", unit="cell") as bar:
+        for repeat in range(args.repeats):
+            for method, batch, temp in cells:
+                sample = await runners[method].run(
+                    groups[batch], temp, 1000 * repeat, args.max_tokens
+                )
+                samples[(method, batch, temp)].append(sample)
+                bar.set_postfix_str(f"{method.name} b{batch} t{temp:g}")
+                bar.update()
+    for runner in runners.values():
+        await runner.stop()
+    return samples
+
+
+# ---- command line ----
+
+
+def parse_args(
+    argv: Sequence[str] | None = None, min_repeats: int = MIN_REPEATS
+) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.speed", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=(*ENGINE_METHODS, *HF_METHODS),
+        default=[*ENGINE_METHODS, *HF_METHODS],
+    )
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--repeats", type=int, default=MIN_REPEATS, help="interleaved (median)")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
+    p.add_argument("--prompts", type=int, default=8, help="requests per cell (>= one batch)")
+    p.add_argument("--k", type=int, default=4, help="draft tokens a step (mtp-1: 1)")
+    p.add_argument(
+        "--k-mode",
+        choices=("fixed", "engine", "both"),
+        default="fixed",
+        help="fixed: k pinned; engine: the engine's own choice of k; both",
+    )
+    p.add_argument("--model", help="target directory (default: the demo's)")
+    p.add_argument("--draft-model", help="draft model directory (default: the demo's)")
+    p.add_argument("--eagle-head", help="EAGLE head directory (default: the demo's)")
+    p.add_argument("--mtp-head", help="MTP head directory (default: the demo's)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (the cores here)")
+    p.add_argument("--out", type=Path, default=Path("bench/results/speed.json"))
+    p.add_argument("--plot", type=Path, default=Path("bench/results/speed.png"))
+    args = p.parse_args(argv)
+    if args.repeats < min_repeats:
+        p.error(f"--repeats must be at least {min_repeats}")
+    if any(m in HF_METHODS for m in args.methods) and 1 not in args.batches:
+        p.error("the transformers methods run at batch 1 only: include 1 in --batches")
+    if min(args.batches) < 1 or args.max_tokens < 2 or args.prompts < 1:
+        p.error("--batches and --prompts must be at least 1, --max-tokens at least 2")
+    return args
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The whole benchmark; prints the table, writes the JSON and the plot; returns the rows."""
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    tokenizer = Tokenizer(target_dir(args))
+    prompts = [tokenizer.encode(text) for text in heldout_prompts(64)]
+    runners = build_runners(methods_from(args), args, max(map(len, prompts)) + args.max_tokens)
+    samples = asyncio.run(measure(runners, prompts, args))
+    rows = build_rows(samples)
+    goals = aims(rows)
+    print(markdown_table(rows))
+    for g in goals:
+        verdict = "met" if g["met"] else "NOT met"
+        print(f"{verdict}: {g['aim']}: {g['value']:.2f} (aim {g['target']:g})")
+    write_json(args.out, args, rows, goals, time.perf_counter() - start)
+    plot(rows, args.plot)
+    print(f"wrote {args.out} and {args.plot} in {time.perf_counter() - start:.0f} s")
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        run(args)
+    except MethodUnavailable as error:
+        print(f"bench.speed: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

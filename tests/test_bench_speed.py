@@ -1,0 +1,188 @@
+"""bench.speed and its parts: the arithmetic of ideal speedup and efficiency, the pieces that
+read the engine's timeline and metrics (bench.runners), the outputs and aims (bench.report),
+the command line, and one tiny run end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench import report, runners, speed
+from engine.config import SpecConfig
+from engine.metrics import EngineMetrics
+
+
+def test_efficiency_is_forward_share_of_a_step():
+    # tau 3, k 4 drafter forwards of 1 ms and a 6 ms verify: 10 ms of forwards in a 12.5 ms
+    # step; a plain step takes 10 ms
+    row = {"acceptance_length": 3.0, "drafting_ms": 4.0, "verify_ms": 6.0,
+           "step_ms": 12.5}  # fmt: skip
+    out = report.efficiency(row, base_step_ms=10.0)
+    assert out["forwards_ms"] == pytest.approx(10.0)
+    assert out["ideal_speedup"] == pytest.approx(3.0)  # 3 * 10 / 10
+    assert out["decode_speedup"] == pytest.approx(2.4)  # 3 * 10 / 12.5
+    assert out["efficiency"] == pytest.approx(0.8)  # 10 / 12.5
+    assert out["overhead_ms"] == pytest.approx(2.5)
+    assert out["cost_ratio"] == pytest.approx(1.0)
+
+
+def test_summary_takes_medians_of_speeds_and_pools_acceptance():
+    samples = [
+        runners.Sample(tokens=100, seconds=s, ttfts=[0.1], gaps=[0.01, 0.03], steps=[0.02],
+                     widths=[5.0], spec_steps=40, draft_tokens=160, accepted=60, drafts=40,
+                     per_pos=[30.0, 20.0, 10.0, 0.0], verify_s=0.006, drafting_s=0.004)
+        for s in (1.0, 2.0, 4.0)
+    ]  # fmt: skip
+    row = report.summarize(samples)
+    assert row["tokens_per_s"] == pytest.approx(50.0)  # median of 100, 50, 25
+    assert row["acceptance_length"] == pytest.approx((180 + 120) / 120)
+    assert row["acceptance_per_position"] == pytest.approx([0.75, 0.5, 0.25, 0.0])
+    assert row["mean_k"] == pytest.approx(4.0)
+    assert row["spec_token_share"] == pytest.approx(300 / 300)
+    assert row["step_ms"] == pytest.approx(20.0)
+    assert (row["verify_ms"], row["drafting_ms"]) == pytest.approx((6.0, 4.0))
+    assert row["itl_p99_ms"] == pytest.approx(30.0)
+
+
+def test_decode_steps_keep_only_consecutive_full_batch_decodes():
+    kinds = ["prefill", "decode", "decode", "decode", "decode", "prefill", "decode", "decode"]
+    sizes = [2, 2, 2, 2, 1, 2, 2, 2]
+    ends = [1.0, 1.5, 2.25, 3.25, 3.5, 5.0, 5.5, 6.0]
+    records = []
+    for step, (kind, size, end) in enumerate(zip(kinds, sizes, ends, strict=True)):
+        records.append({"step": step, "stage": "plan", "kind": kind, "batch_size": size,
+                        "num_tokens": 5 * size if kind == "decode" else 40})  # fmt: skip
+        records.append({"step": step, "stage": "refill", "end": end})
+    steps, widths = runners.decode_steps(records, batch=2)
+    assert steps == pytest.approx([0.75, 1.0, 0.5])  # steps 2, 3 and 7
+    assert widths == [5.0, 5.0, 5.0]
+
+
+def test_spec_counters_read_the_engine_metrics():
+    metrics = EngineMetrics(num_speculative_tokens=3)
+    metrics.observe_spec([3, 3, 0], [3, 1, 0])
+    drafts, per_pos = runners.spec_counters(metrics.render())
+    assert drafts == 2
+    assert per_pos == [2.0, 1.0, 1.0]
+
+
+def test_tree_levels_count_the_drafter_forwards():
+    assert runners.tree_levels(SpecConfig("eagle", num_speculative_tokens=3)) is None
+    fixed = SpecConfig("eagle", tree="fixed", tree_paths=((0,), (1,), (0, 0), (0, 1), (0, 0, 0)))
+    assert runners.tree_levels(fixed) == [2, 2, 1]  # depths 1 and 2 expanded, then the refill
+    dynamic = SpecConfig("eagle", tree="dynamic", tree_depth=3, tree_topk=4, tree_nodes=8)
+    assert runners.tree_levels(dynamic) == [4, 4, 1]
+
+
+def test_request_groups_wrap_over_the_prompts():
+    prompts = [[1], [2], [3]]
+    assert speed.request_groups(prompts, 1, 2) == [[[1]], [[2]]]
+    assert speed.request_groups(prompts, 2, 3) == [[[1], [2]], [[3], [1]]]
+    assert speed.request_groups(prompts, 4, 1) == [[[1], [2], [3], [1]]]
+
+
+def test_fixed_k_is_asked_for_or_refused(monkeypatch):
+    assert speed.k_mode_fields("engine") == {}
+    monkeypatch.setattr(speed, "spec_fields", lambda: {"method", speed.ADAPTIVE_FIELD})
+    assert speed.k_mode_fields("fixed") == {speed.ADAPTIVE_FIELD: False}
+    monkeypatch.setattr(speed, "spec_fields", lambda: {"method", "adaptive_draft_length"})
+    with pytest.raises(runners.MethodUnavailable, match="adaptive_draft_length"):
+        speed.k_mode_fields("fixed")
+
+
+def test_spec_configs_of_the_methods():
+    args = speed.parse_args(["--k", "3"])
+    assert speed.spec_config(runners.Method("none"), args) == SpecConfig()
+    assert speed.spec_config(runners.Method("draft"), args).num_speculative_tokens == 3
+    assert speed.spec_config(runners.Method("mtp-1"), args).num_speculative_tokens == 1
+    assert speed.spec_config(runners.Method("mtp-k"), args).method == "mtp"
+
+
+def test_cli_refuses_fewer_than_five_repeats(capsys):
+    with pytest.raises(SystemExit):
+        speed.parse_args(["--repeats", "4"])
+    assert "at least 5" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        speed.parse_args(["--methods", "hf-generate", "--batches", "4"])
+
+
+def test_table_json_and_plot(tmp_path):
+    rows = [
+        {"method": m, "kind": m, "batch": b, "temperature": 0.0, "tokens_per_s": 10.0 * b,
+         "speedup": 1.0, "acceptance_per_position": [0.5, 0.25], "step_ms": math.nan}
+        for m in ("none", "draft") for b in (1, 4)
+    ] + [{"method": "hf-generate", "kind": "hf-generate", "batch": 1, "temperature": 0.0,
+          "tokens_per_s": 9.0, "acceptance_per_position": []}]  # fmt: skip
+    table = report.markdown_table(rows).splitlines()
+    assert len(table) == 2 + len(rows)
+    assert table[0].startswith("| method | batch | temp | tok/s | speedup |")
+    assert "| 0.50 / 0.25 |" in table[2] and "| - |" in table[2]
+    args = speed.parse_args(["--out", str(tmp_path / "s.json")])
+    report.write_json(args.out, args, rows, [], 1.0)
+    document = json.loads(args.out.read_text())
+    assert document["rows"][0]["tokens_per_s"] == 10.0 and document["settings"]["k"] == 4
+    assert document["rows"][0]["step_ms"] is None  # NaN is written as null: standard JSON
+    report.plot(rows, tmp_path / "s.png")
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_method_that_cannot_run_fails_loudly(tmp_path, tiny_target):
+    argv = ["--model", str(tiny_target), "--draft-model", str(tmp_path / "missing"),
+            "--methods", "draft", "--batches", "1", "--repeats", "5"]  # fmt: skip
+    args = speed.parse_args(argv)
+    with pytest.raises(runners.MethodUnavailable, match="^draft: "):
+        speed.build_runners(speed.methods_from(args), args, max_len=64)
+
+
+def test_tiny_run_end_to_end(tmp_path, tiny_target, capsys):
+    # the target drafts for itself: every draft is accepted (wide-gap greedy), for us and for
+    # transformers' assisted generation alike
+    argv = ["--model", str(tiny_target), "--draft-model", str(tiny_target),
+            "--methods", "none", "draft", "hf-generate", "hf-assisted", "--batches", "1", "2",
+            "--temperatures", "0", "--repeats", "1", "--max-tokens", "13", "--prompts", "1",
+            "--k", "2", "--out", str(tmp_path / "speed.json"),
+            "--plot", str(tmp_path / "speed.png")]  # fmt: skip
+    rows = speed.run(speed.parse_args(argv, min_repeats=1))
+    by = {(r["method"], r["batch"]): r for r in rows}
+    assert set(by) == {("none", 1), ("draft", 1), ("none", 2), ("draft", 2), ("hf-generate", 1),
+                       ("hf-assisted", 1)}  # fmt: skip
+    assert by[("none", 1)]["speedup"] == 1.0
+    assert by[("none", 2)]["step_ms"] > 0 and by[("none", 2)]["verify_ms"] > 0
+    assert by[("none", 2)]["verify_width"] == 1.0
+    draft = by[("draft", 2)]
+    assert draft["acceptance_length"] == 3.0  # 12 tokens after the prefill's, 4 steps of 3
+    assert draft["acceptance_per_position"] == [1.0, 1.0]
+    assert draft["verify_width"] == 3.0 and draft["mean_k"] == 2.0
+    assert 0 < draft["efficiency"] and draft["forwards_ms"] > draft["verify_ms"] > 0
+    assert by[("hf-assisted", 1)]["acceptance_length"] == 3.0
+    assert by[("hf-generate", 1)]["acceptance_length"] == 1.0
+    document = json.loads((tmp_path / "speed.json").read_text())
+    assert len(document["rows"]) == len(rows)
+    assert (tmp_path / "speed.png").exists()
+    assert "| draft | 2 | 0 |" in capsys.readouterr().out
+
+
+def test_aims_compare_the_right_rows():
+    def row(kind, tok_s, speedup=1.0, **extra):
+        return {"method": kind, "kind": kind, "batch": 1, "temperature": 0.0,
+                "tokens_per_s": tok_s, "speedup": speedup, **extra}  # fmt: skip
+
+    rows = [
+        row("none", 20.0),
+        row("hf-generate", 25.0),
+        row("hf-assisted", 30.0),
+        row("draft", 34.0, 1.7, efficiency=0.9, acceptance_length=3.0),
+        row("ngram", 46.0, 2.3, efficiency=0.8),
+        {**row("ngram", 400.0, 2.3), "batch": 16},  # not batch 1: never the best
+    ]
+    got = {a["aim"]: (a["value"], a["met"]) for a in report.aims(rows)}
+    assert got == {
+        "efficiency of draft at t=0": (0.9, True),
+        "efficiency of ngram at t=0": (0.8, False),
+        "none / hf-generate at t=0": (pytest.approx(0.8), False),
+        "best drafter (ngram) / none at t=0": (2.3, True),
+        "best drafter (ngram) / hf-assisted at t=0": (pytest.approx(46 / 30), True),
+        "draft / none at t=0": (1.7, True),
+    }
