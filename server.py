@@ -38,7 +38,7 @@ from api import (
     sampling_params,
     validate,
 )
-from engine.config import SPECULATIVE_METHODS, EngineConfig, KVConfig, SpecConfig
+from engine.config import SPECULATIVE_METHODS, TREE_SHAPES, EngineConfig, KVConfig, SpecConfig
 from engine.request import Delta, InvalidRequest, Overloaded
 
 log = logging.getLogger("tandem.server")
@@ -293,7 +293,16 @@ def build_parser() -> argparse.ArgumentParser:
     flags: dict[str, tuple[type, str, Any, str]] = {
         "--model": (str, "DIR", None, "target model, a Hugging Face directory; default: the demo"),
         "--draft": (str, "DIR", None, "draft model, EAGLE or MTP head; default: the demo's"),
-        "--num-speculative-tokens": (int, "K", spec.num_speculative_tokens, "draft tokens a step"),
+        "--num-speculative-tokens": (
+            int,
+            "K",
+            spec.num_speculative_tokens,
+            "draft tokens a step; with the cost model, the most (MTP with 1: no-sync mode)",
+        ),
+        "--calibration": (str, "PATH", None, "cost model curves: read if present, else saved"),
+        "--tree-nodes": (int, "N", spec.tree_nodes, "EAGLE dynamic tree: nodes verified a step"),
+        "--tree-depth": (int, "D", spec.tree_depth, "EAGLE dynamic tree: levels drafted"),
+        "--tree-topk": (int, "K", spec.tree_topk, "EAGLE dynamic tree: children per node"),
         "--host": (str, "HOST", server.host, "address to listen on"),
         "--port": (int, "PORT", server.port, "port to listen on; 0: a free one"),
         "--api-key": (str, "KEY", None, "require `Authorization: Bearer KEY` on all but /health"),
@@ -318,9 +327,21 @@ def build_parser() -> argparse.ArgumentParser:
         default="draft",
         help="how draft tokens are proposed; none: no speculation (default: draft)",
     )
+    parser.add_argument(
+        "--tree",
+        choices=TREE_SHAPES,
+        default=spec.tree,
+        help="EAGLE: draft a chain, a fixed tree or the dynamic EAGLE-2 tree "
+        f"(default: {spec.tree})",
+    )
     for flag, (kind, metavar, default, text) in flags.items():
         shown = "" if default is None else f" (default: {default})"
         parser.add_argument(flag, type=kind, metavar=metavar, default=default, help=text + shown)
+    parser.add_argument(
+        "--fixed-k",
+        action="store_true",
+        help="draft exactly K tokens every step instead of letting the cost model choose 0..K",
+    )
     parser.add_argument(
         "--sampled-drafts",
         action="store_true",
@@ -337,7 +358,18 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, S
     if a.draft is not None and a.speculative in ("none", "ngram"):
         parser.error(f"--draft is not used with --speculative {a.speculative}")
     try:
-        spec = SpecConfig(a.speculative, a.draft, a.num_speculative_tokens, a.sampled_drafts)
+        spec = SpecConfig(
+            a.speculative,
+            a.draft,
+            a.num_speculative_tokens,
+            a.sampled_drafts,
+            tree=a.tree,
+            tree_nodes=a.tree_nodes,
+            tree_depth=a.tree_depth,
+            tree_topk=a.tree_topk,
+            adaptive_k=not a.fixed_k,
+            calibration=a.calibration,
+        )
         kv = KVConfig(page_size=a.page_size, num_pages=a.num_pages)
         config = EngineConfig(
             model=a.model,

@@ -19,11 +19,10 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from bench.common import heldout_prompts as prompts
 from engine.config import EngineConfig, KVConfig, SpecConfig
 from engine.engine import AsyncEngine
 from engine.request import Delta, SamplingParams
-
-PROMPTS = Path(__file__).resolve().parent.parent / "train" / "heldout_prompts.json"
 
 
 @dataclass
@@ -54,22 +53,23 @@ class Run:
         }
 
 
-def prompts(n: int) -> list[str]:
-    return [p["text"] for p in json.loads(PROMPTS.read_text())][:n]
-
-
 async def generate(engine: AsyncEngine, texts: list[str], params: SamplingParams) -> list:
     return await asyncio.gather(*(engine.generate(t, params) for t in texts))
 
 
-async def measure(configs: dict[str, EngineConfig], batches: list[int], args) -> dict:
+async def measure(
+    configs: dict[str, EngineConfig],
+    batches: list[int],
+    args,
+    temperatures: tuple[float, ...] = (0.0, 1.0),
+) -> dict:
     engines = {name: AsyncEngine(config) for name, config in configs.items()}
     for engine in engines.values():
         await engine.start()
     runs: dict[tuple, Run] = {}
     for repeat in range(args.repeats):
         for batch in batches:
-            for temperature in (0.0, 1.0):
+            for temperature in temperatures:
                 params = SamplingParams(
                     max_tokens=args.new_tokens,
                     temperature=temperature,
@@ -83,7 +83,9 @@ async def measure(configs: dict[str, EngineConfig], batches: list[int], args) ->
                     key = (name, batch, temperature)
                     runs.setdefault(key, Run()).add(outs, time.perf_counter() - start)
                     print(f"repeat {repeat} {key}: {runs[key].rates[-1]:.1f} tok/s", flush=True)
-    for engine in engines.values():
+    for name, engine in engines.items():
+        by_k = {k: int(engine.metrics.steps_by_k.labels(k=k).value) for k in range(engine.k + 1)}
+        print(f"{name}: decode steps by draft length {by_k}", flush=True)
         await engine.stop()
     return {key: run.summary() for key, run in runs.items()}
 

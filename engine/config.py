@@ -5,6 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SPECULATIVE_METHODS = ("none", "draft", "ngram", "eagle", "mtp")
+TREE_SHAPES = ("chain", "fixed", "dynamic")
+# the default fixed tree: each path ranks the children taken from the root down (0: the
+# drafter's top token); wide near the root, where acceptance is likeliest, then chain-like
+FIXED_TREE = (
+    (0,),
+    (1,),
+    (2,),
+    (0, 0),
+    (0, 1),
+    (1, 0),
+    (0, 0, 0),
+    (0, 0, 0, 0),
+)
 
 
 @dataclass(frozen=True)
@@ -28,6 +41,20 @@ class SpecConfig:
     sampled_drafts: bool = False  # draft by sampling q (kept whole) instead of the argmax
     ngram_min: int = 1  # n-gram drafter: shortest suffix matched against the context
     ngram_max: int = 4  # longest suffix tried first
+    # the cost model picks each step's k in 0..num_speculative_tokens (engine/cost.py): a fixed
+    # k loses at large batch or poor acceptance, where verifying k + 1 rows costs more than
+    # the accepted tokens save
+    adaptive_k: bool = True
+    calibration: str | None = None  # cost curves: loaded from here if present, else saved
+    # EAGLE tree drafting: a chain verifies the fewest rows; trees pay with a head that
+    # accepts well (the verify batch holds tree_nodes + 1 rows per sequence)
+    tree: str = "chain"
+    # dynamic tree: N nodes; verifying N + 1 rows costs the demo target 1.3x a one-token step
+    # at N = 8, 1.7x at 16, 2.3x at 32 (512-token context; bench/tree_attention.py)
+    tree_nodes: int = 8
+    tree_depth: int = 4  # dynamic tree: levels drafted; acceptance rarely runs deeper
+    tree_topk: int = 4  # dynamic tree: children per expanded node, nodes expanded per level
+    tree_paths: tuple[tuple[int, ...], ...] = FIXED_TREE  # fixed tree: its nodes (8, as above)
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -40,10 +67,61 @@ class SpecConfig:
             )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
+        self._check_tree()
+
+    def _check_tree(self) -> None:
+        if self.tree not in TREE_SHAPES:
+            raise ValueError(f"unknown tree {self.tree!r}; choose from {TREE_SHAPES}")
+        if self.tree != "chain" and self.method != "eagle":
+            raise ValueError(f"tree drafting ({self.tree}) needs the eagle method")
+        if self.tree != "chain" and self.sampled_drafts:
+            raise ValueError("tree drafts are top-k children (point masses), never sampled")
+        if not 1 <= self.tree_nodes <= 64:
+            raise ValueError(f"tree_nodes must be in 1..64, got {self.tree_nodes}")
+        if not 1 <= self.tree_depth <= 16 or not 1 <= self.tree_topk <= 16:
+            raise ValueError("tree_depth and tree_topk must be in 1..16")
+        candidates = self.tree_topk + (self.tree_depth - 1) * self.tree_topk**2
+        if self.tree == "dynamic" and self.tree_nodes > candidates:
+            raise ValueError(
+                f"a dynamic tree of depth {self.tree_depth} and top-k {self.tree_topk} has "
+                f"{candidates} candidates, fewer than tree_nodes ({self.tree_nodes})"
+            )
+        if self.tree == "fixed":
+            check_tree_paths(self.tree_paths)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """k of a speculative step: draft tokens of a chain, nodes of a tree."""
+        if self.tree == "fixed":
+            return len(self.tree_paths)
+        return self.tree_nodes if self.tree == "dynamic" else self.num_speculative_tokens
 
     @property
     def enabled(self) -> bool:
         return self.method != "none"
+
+    @property
+    def one_token_mode(self) -> bool:
+        """MTP with k = 1: the host plans each step before the previous one is sampled (the
+        device settles the lengths), so nothing on the device waits for the host."""
+        return self.method == "mtp" and self.num_speculative_tokens == 1
+
+    @property
+    def picks_k(self) -> bool:
+        """Whether the cost model chooses each step's k (chains with the host in the loop)."""
+        return self.adaptive_k and self.tree == "chain" and not self.one_token_mode
+
+
+def check_tree_paths(paths: tuple[tuple[int, ...], ...]) -> None:
+    """A fixed tree: distinct non-empty paths of ranks >= 0, each one's parent path present."""
+    present = set(paths)
+    if not paths or len(present) != len(paths):
+        raise ValueError("a fixed tree needs distinct paths")
+    for path in paths:
+        if not path or min(path) < 0:
+            raise ValueError(f"tree path {path} must be non-empty ranks >= 0")
+        if len(path) > 1 and path[:-1] not in present:
+            raise ValueError(f"tree path {path} lacks its parent {path[:-1]}")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ loop; the device stages are coroutines that hand each step to the compute stream
 and pass it on through asyncio queues; publish waits (without blocking the loop) for the
 step's tokens to reach the host. The plan of step N+1 needs only step N's accepted lengths
 (speculative decoding) or nothing of step N at all (plain decoding, which assumes every
-sequence grows by one), so it runs while the device still works on step N.
+sequence grows by one, and MTP's one-token mode, which assumes no draft was accepted and lets
+the device correct that), so it runs while the device still works on step N. The draft
+length of each step is the cost model's choice (engine/cost.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
+from engine.cost import build_cost_model
 from engine.device import Event, Stream
 from engine.metrics import EngineMetrics
 from engine.output import OutputStream
@@ -37,12 +40,14 @@ from engine.scheduler import Scheduler, Sequence
 from engine.trace import Tracer
 from kv.cache import KVCache
 from kv.pages import PageAllocator
+from models.llama import prepare_for_inference
 from models.loader import load_model
 from models.tokenizer import Tokenizer
 from stages.draft import Drafter, Drafts
 from stages.drafters import build_drafter
 from stages.history import TokenHistory
-from stages.plan import HostBuffers, Plan, make_plan, pack, unpack
+from stages.insert import insert_kernel
+from stages.plan import HostBuffers, Plan, draft_cap, make_plan, pack, unpack
 from stages.refill import RefillStage
 from stages.sample import SamplingTensors
 from stages.verdict import SampleStage
@@ -83,13 +88,16 @@ class AsyncEngine:
         dtype = getattr(torch, config.dtype)
         model_dir = Path(config.model) if config.model else DEMO_DIR / "target"
         self.model = load_model(model_dir, dtype, self.device)
+        prepare_for_inference(self.model)
         self.tokenizer = Tokenizer(model_dir)
         self.model_name = model_dir.name if config.model else "tandem-demo"
         cfg = self.model.config
         self.vocab_size = cfg.vocab_size
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         spec = config.spec
-        self.k = spec.num_speculative_tokens if spec.enabled else 0
+        self.k = spec.num_draft_tokens if spec.enabled else 0
+        self.no_sync = spec.one_token_mode
+        self.insert = insert_kernel(self.device)
         page_size = config.kv.page_size
         num_pages = config.kv.num_pages or self._pages_for(config.kv.memory_bytes, dtype)
         self.allocator = PageAllocator(num_pages)
@@ -106,9 +114,14 @@ class AsyncEngine:
             page_size,
             config.max_running,
             config.max_batch_tokens,
-            self.k + 1,
+            self.k + 1 + self.no_sync,  # one-token mode: a step the host has not seen yet
             self.max_model_len,
         )
+        self.cost = None
+        if spec.enabled and spec.picks_k:
+            self.cost = build_cost_model(
+                self.model, self.drafter, config.max_running, self.k, spec.calibration
+            )
         self.metrics = EngineMetrics(self.k)
         self._update_gauges()
         self.tracer = Tracer(config.trace_file)
@@ -230,8 +243,9 @@ class AsyncEngine:
     # ---- the step pipeline ----
 
     async def _plan_loop(self, outbox: asyncio.Queue[Plan]) -> None:
-        # Plain decoding may run one step ahead of the host; speculation needs the lengths.
-        lag = 2 if self.config.pipelined and not self.k else 1
+        # Plain decoding and MTP's one-token mode may run one step ahead of the host (the
+        # insert kernel settles the lengths on the device); other speculation needs them.
+        lag = 2 if self.config.pipelined and (not self.k or self.no_sync) else 1
         for step in itertools.count():
             async with self._published_cond:
                 await self._published_cond.wait_for(partial(self._ready, step - lag))
@@ -258,13 +272,14 @@ class AsyncEngine:
         batch = self.scheduler.schedule(step)
         if batch is None:
             return None
-        k = self.k if batch.kind == "decode" else 0
+        k = self._draft_length(batch.seqs) if batch.kind == "decode" else 0
         plan = make_plan(
             batch,
             step,
             k,
             self.config.kv.page_size,
             self.drafter.host_drafts(batch.seqs, k) if k else None,
+            [int(self.no_sync and s.request.inflight > 0) for s in batch.seqs],
         )
         params = [s.request.params for s in batch.seqs]
         plan.sampling = SamplingTensors.build(
@@ -287,6 +302,12 @@ class AsyncEngine:
             k=k,
         )
         return plan
+
+    def _draft_length(self, seqs: list[Sequence]) -> int:
+        if self.cost is None:
+            return self.k
+        caps = [draft_cap(s, self.k) for s in seqs]
+        return self.cost.choose([s.request.acceptance.rate for s in seqs], caps)
 
     async def _upload(self, plan: Plan) -> None:
         flat, layout = pack(plan.fields)
@@ -319,13 +340,16 @@ class AsyncEngine:
         if self._fault is not None:
             self._fault(name, plan)
         value = fn(plan)
-        self.tracer.record(
-            plan.step, name, start, time.perf_counter(), batch_size=plan.batch_size, k=plan.k
-        )
+        end = time.perf_counter()
+        plan.device_seconds += end - start
+        self.tracer.record(plan.step, name, start, end, batch_size=plan.batch_size, k=plan.k)
         return value
 
     def _draft(self, plan: Plan) -> Drafts:
         dev = plan.device()
+        if plan.kind == "decode":
+            history = self.history
+            dev.insert_next_tokens(self.insert, history.accepted, history.tokens)
         if plan.k == 0:
             return Drafts(dev.host_drafts)
         return self.drafter.propose(plan, dev)
@@ -359,6 +383,8 @@ class AsyncEngine:
             if self.config.pipelined:  # the next plan may run while refill does
                 await self._mark_published(plan.step)
             await asyncio.wait([asyncio.wrap_future(plan.events["refill"].future)])
+            if self.cost is not None and plan.kind == "decode":
+                self.cost.observe(plan.batch_size, plan.k, plan.device_seconds)
             self._release_completed()
             if not self.config.pipelined:
                 await self._mark_published(plan.step)
@@ -398,6 +424,7 @@ class AsyncEngine:
                 output.usage.spec_steps += 1
                 output.usage.draft_tokens += plan.num_drafts[i]
                 output.usage.accepted_tokens += host["accepted"][i]
+                seq.request.acceptance.observe(plan.num_drafts[i], host["accepted"][i])
             tokens = host["tokens"][i][:emitted]
             delta = output.add(tokens, self._logprobs(host, i, emitted, seq))
             self._observe_latency(output, len(delta.token_ids), now)
@@ -406,7 +433,9 @@ class AsyncEngine:
                 self._finish(output, None)
         if plan.k:
             self.metrics.observe_spec(plan.num_drafts, host["accepted"])
-        self.metrics.observe_step(now - self._last_publish, plan.k)
+        self.metrics.observe_step(
+            now - self._last_publish, plan.k if plan.kind == "decode" else None
+        )
         self._last_publish = now
         self._update_gauges()
 

@@ -96,6 +96,10 @@ class _CounterChild:
         with self._metric._lock:
             self._values[0] += amount
 
+    @property
+    def value(self) -> float:
+        return self._values[0]
+
 
 class Gauge(_Metric):
     """A value that is set, or goes up and down."""
@@ -246,6 +250,9 @@ class EngineMetrics:
         self.num_speculative_tokens = r.gauge(
             "tandem_spec_num_speculative_tokens", "Draft length k chosen for the last step."
         )
+        self.steps_by_k = r.counter(
+            "tandem_spec_decode_steps_total", "Decode steps, by the draft length k chosen.", ["k"]
+        )
         self.ttft = r.histogram(
             "tandem_time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
         )
@@ -281,10 +288,11 @@ class EngineMetrics:
         self.inter_token.observe(seconds)
 
     def observe_step(self, seconds: float, k: int | None = None) -> None:
-        """One engine step took `seconds`; k: the draft length it used, if it speculated."""
+        """One engine step took `seconds`; k: the draft length of a decode step."""
         self.step.observe(seconds)
         if k is not None:
             self.num_speculative_tokens.set(k)
+            self.steps_by_k.labels(k=k).inc()
 
     def observe_spec(self, num_drafts: list[int], accepted: list[int]) -> None:
         """One verify step: per request, its draft length and how many drafts were accepted.

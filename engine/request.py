@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.cost import AcceptanceRate
+
 
 class InvalidRequest(ValueError):
     """Bad input from a client (an HTTP 400)."""
@@ -105,6 +107,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     inflight: int = 0  # scheduled steps whose tokens are not yet known on the host
+    acceptance: AcceptanceRate = field(default_factory=AcceptanceRate)  # for the cost model
 
     @property
     def num_tokens(self) -> int:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from engine.scheduler import Sequence
+from models.attention import CausalAttention
 from stages.plan import DevicePlan, Plan
 from stages.sample import SALT_DRAFT, SamplingTensors, process_logits, sample
 
@@ -18,6 +19,13 @@ class Drafts:
 
     tokens: torch.Tensor  # [B, k] int64 draft tokens (entries past num_drafts are ignored)
     probs: torch.Tensor | None = None  # [B, k, V] processed q where sampled; None: point masses
+    # A tree (None for a chain): k nodes, parents before children, -1 tokens never accepted.
+    # Node i is verified at position base + its depth and written at slot base + 1 + i.
+    parents: torch.Tensor | None = None  # [B, k] int64 parent node, -1: child of the root
+    ancestors: torch.Tensor | None = None  # [B, k, k] bool, node j is node i's ancestor or i
+    depth: int = 0  # bound on the nodes' depths (children of the root have depth 1)
+    positions: torch.Tensor | None = None  # [B, k + 1] verify positions: root, then nodes
+    mask: torch.Tensor | None = None  # [B, k + 1, Lmax] bool, the step's keys each row sees
 
 
 @dataclass
@@ -39,6 +47,7 @@ class Verdict:
     logprobs: torch.Tensor | None = None  # [B, W] logprob of each emitted token
     top_ids: torch.Tensor | None = None  # [B, W, n] the top-n tokens at each position
     top_logprobs: torch.Tensor | None = None  # [B, W, n]
+    path: torch.Tensor | None = None  # [B, depth] a tree's accepted nodes, -1 padded
 
 
 def choose_drafts(
@@ -48,11 +57,54 @@ def choose_drafts(
     sampled: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(tokens [B], q [B, V] or None): the argmax (a point mass), or a draw from the processed
-    q, which the sampler then needs whole for the residual."""
-    if not sampled:
+    q, which the sampler then needs whole for the residual. A greedy batch's q would be the
+    argmax's point mass anyway, so it skips the work."""
+    if not sampled or st.all_greedy:
         return logits.argmax(-1), None
     q = process_logits(logits[:, None].float(), st, None, None)[:, 0]
     return sample(q, st.seeds, positions, SALT_DRAFT), q
+
+
+def tree_ancestors(parents: torch.Tensor, depth: int) -> torch.Tensor:
+    """[B, N, N] bool, node j is an ancestor of node i or i itself, for parents [B, N] (-1:
+    the root) of a tree no deeper than `depth`."""
+    n = parents.shape[1]
+    eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(parents.shape[0], n, n)
+    ancestors = eye
+    for _ in range(depth - 1):  # each round adds one more generation
+        above = ancestors.gather(1, parents.clamp(min=0)[..., None].expand(-1, -1, n))
+        ancestors = eye | (above & (parents >= 0)[..., None])
+    return ancestors
+
+
+def tree_drafts(dev: DevicePlan, tokens, parents, depths, depth: int) -> Drafts:
+    """A tree's Drafts with what the target's verify forward needs, built on the device.
+
+    tokens, parents, depths: [B, N] (depths from 1). Verify row 0 is the root (the last
+    committed token, at position base), row 1 + i node i (position base + depth, slot
+    base + 1 + i). Every row sees the committed keys 0 .. base; a node also sees the nodes on
+    its own path, itself included: keys base + 1 + j for its ancestors j."""
+    ancestors = tree_ancestors(parents, depth)  # [B, N, N]
+    b, n = tokens.shape
+    zero = torch.zeros_like(depths[:, :1])
+    positions = dev.base[:, None] + torch.cat([zero, depths], 1)  # [B, N + 1]
+    lmax = dev.target_meta.kv_slots.shape[1]
+    keys = torch.arange(lmax, device=tokens.device)
+    prefix = keys[None, :] <= dev.base[:, None]  # [B, Lmax]
+    node = keys[None, :] - dev.base[:, None] - 1  # [B, Lmax] node index of each key
+    in_tree = (node >= 0) & (node < n)
+    rows = torch.cat([torch.zeros_like(ancestors[:, :1]), ancestors], 1)  # [B, N + 1, N]
+    index = node.clamp(0, n - 1)[:, None, :].expand(b, n + 1, lmax)
+    mask = prefix[:, None, :] | (rows.gather(2, index) & in_tree[:, None, :])
+    return Drafts(tokens, None, parents, ancestors, depth, positions, mask)
+
+
+def probe_head(head: Any, num_tokens: int) -> None:
+    """Time-probe of an EAGLE or MTP head: forward(ids, hidden, positions, attn), then logits."""
+    weight = head.target.embed_tokens.weight
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=weight.device)
+    hidden = torch.zeros(num_tokens, head.config.hidden_size, dtype=weight.dtype, device=ids.device)
+    head.logits(head(ids, hidden, ids, CausalAttention(num_tokens, 1)))
 
 
 class Drafter(Protocol):
@@ -75,6 +127,11 @@ class Drafter(Protocol):
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None: ...
 
+    def probe(self, num_tokens: int) -> None:
+        """One forward of the drafter's network over `num_tokens` dummy tokens, outputs
+        included, touching no KV (the cost model times it); nothing without a network."""
+        ...
+
 
 class NoDrafter:
     """Plain decoding: proposes nothing."""
@@ -91,6 +148,9 @@ class NoDrafter:
         return Drafts(dev.host_drafts)
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
+        pass
+
+    def probe(self, num_tokens: int) -> None:
         pass
 
 

@@ -11,7 +11,7 @@ import torch
 
 from engine.scheduler import Sequence
 from kv.cache import KVCache
-from models.attention import AttentionMetadata, TorchPagedAttention
+from models.attention import AttentionMetadata, CausalAttention, TorchPagedAttention
 from models.llama import LlamaModel
 from stages.draft import Drafts, TargetOutput, Verdict, choose_drafts
 from stages.plan import DevicePlan, Plan, drafter_metadata
@@ -62,6 +62,11 @@ class DraftModelDrafter:
         inputs = out.input_ids.view(plan.batch_size, plan.width)
         last_input = inputs.gather(1, verdict.num_accepted[:, None]).squeeze(1)
         self._catch_up(dev, None, last_input, verdict, verdict.num_accepted)
+
+    def probe(self, num_tokens: int) -> None:
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.deferred.device)
+        hidden, _ = self.model(ids, ids, CausalAttention(num_tokens, 1))
+        self.model.logits(hidden)
 
     def _catch_up(self, dev, index, last_input, verdict, accepted) -> None:
         """Run the draft over the last accepted input and the emitted token (positions

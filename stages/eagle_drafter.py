@@ -1,4 +1,5 @@
-"""The EAGLE drafter (chain): the head drafts from the target's features, top-1 at each step.
+"""The EAGLE drafters: the head drafts from the target's features, top-1 at each step (a
+chain), or a tree of top-k children (EagleTreeDrafter, with a FixedTree or a DynamicTree shape).
 
 Head position i holds the pair (t_{i+1}, f_i) (token i+1, target feature at i) and its KV lives
 at the slot of target position i, at the same page ids as the target's. Invariant between
@@ -17,8 +18,9 @@ from engine.scheduler import Sequence
 from kv.cache import KVCache
 from models.attention import AttentionMetadata, TorchPagedAttention
 from models.eagle import EagleHead
-from stages.draft import Drafts, TargetOutput, Verdict, choose_drafts
+from stages.draft import Drafts, TargetOutput, Verdict, choose_drafts, probe_head, tree_drafts
 from stages.plan import DevicePlan, Plan, drafter_metadata
+from stages.refill import move_tree_path
 
 
 class EagleDrafter:
@@ -38,6 +40,9 @@ class EagleDrafter:
 
     def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int]] | None:
         return None
+
+    def probe(self, num_tokens: int) -> None:
+        probe_head(self.head, num_tokens)
 
     def prefill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
         """Pairs (t_p, f_{p-1}) at position p-1 for each chunk token p; the first token of a
@@ -124,3 +129,210 @@ class EagleDrafter:
 
     def _attention(self, meta: AttentionMetadata) -> TorchPagedAttention:
         return TorchPagedAttention(meta, self.cache, self.head.config.num_heads)
+
+
+class EagleTreeDrafter(EagleDrafter):
+    """EAGLE over a tree of candidates (a fixed shape or the dynamic EAGLE-2 tree).
+
+    The head drafts the tree level by level. Its pairs for tree nodes go to scratch slots
+    (S per row, past the engine's pages), not to the sequence's pages: a node sees the
+    committed pairs (keys < base) and its own path through a mask, and the scratch is simply
+    overwritten by the next step ("the head's tree KV is thrown away"). After the target has
+    verified the tree, refill moves the accepted path's target KV from slots base + 1 + node
+    to base + 1 + j, where its positions belong, and reruns the head over the accepted
+    tokens with the target's features, as the chain does.
+    """
+
+    def __init__(
+        self,
+        head: EagleHead,
+        cache: KVCache,
+        max_rows: int,
+        shape: FixedTree | DynamicTree,
+        target_cache: KVCache,
+        scratch_start: int,
+    ):
+        super().__init__(head, cache, max_rows, sampled=False)
+        self.shape = shape
+        self.target_cache = target_cache
+        self.scratch_start = scratch_start  # first scratch slot; row r owns S after r * S
+
+    def propose(self, plan: Plan, dev: DevicePlan) -> Drafts:
+        tokens, parents, depths = self.shape.draft(self, dev, plan.k)  # [B, N] each
+        # never accept past num_drafts: deeper nodes become padding (their subtrees too)
+        tokens = torch.where(depths <= dev.num_drafts[:, None], tokens, -1)
+        return tree_drafts(dev, tokens, parents, depths, min(self.shape.depth, plan.k))
+
+    def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
+        if verdict.path is None:  # a step that drafted nothing: a chain of width 1
+            return super().refill(plan, dev, out, verdict)
+        path, accepted = verdict.path, verdict.num_accepted  # [B, D], [B]
+        b, d = path.shape
+        move_tree_path(self.target_cache, dev.tail_slots, path, accepted)
+        # pairs (emitted token j, target feature at base + j): the root's row, then the path's
+        rows = torch.cat([torch.zeros_like(path[:, :1]), 1 + path.clamp(min=0)], 1)  # [B, D+1]
+        hidden = out.hidden.view(b, plan.width, -1)
+        features = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[2]))
+        positions = dev.base[:, None] + torch.arange(d + 1, device=path.device)  # [B, D + 1]
+        tokens = verdict.tokens[:, : d + 1].clamp(min=0)
+        self._defer(dev, None, tokens, features, positions, dev.tail_slots[:, : d + 1], accepted)
+
+    def roots(self, dev: DevicePlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probabilities [B, V] of the root's children, the head feature [B, H] paired
+        with them): the deferred outputs, so the first level costs no forward."""
+        logits = self.deferred_logits[dev.rows]
+        return logits.float().log_softmax(-1), self.deferred_hidden[dev.rows]
+
+    def expand(
+        self,
+        dev: DevicePlan,
+        level: int,  # depth of the nodes run (their tokens sit at positions base + level)
+        first: int,  # scratch index of the first node run; the m nodes take first .. first+m-1
+        ids: torch.Tensor,  # [B, m] the nodes' tokens
+        features: torch.Tensor,  # [B, m, H] their parents' head features
+        visible: torch.Tensor,  # [B or 1, m, S] bool: each node's path among scratch nodes
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the head over m tree nodes per sequence; returns (log-probabilities [B, m, V] of
+        their children, their head features [B, m, H])."""
+        meta, s = dev.target_meta, self.shape.scratch_size
+        b, m = ids.shape
+        scratch = self.scratch_start + dev.rows[:, None] * s + torch.arange(s, device=ids.device)
+        lmax = meta.kv_slots.shape[1]
+        committed = torch.arange(lmax, device=ids.device)[None, :] < dev.base[:, None]
+        mask = torch.cat([committed[:, None].expand(b, m, lmax), visible.expand(b, m, s)], 2)
+        positions = (dev.base + level - 1)[:, None].expand(b, m)  # pair (node, parent feature)
+        small = AttentionMetadata(
+            slot_mapping=scratch[:, first : first + m].flatten(),
+            kv_slots=torch.cat([meta.kv_slots, scratch], 1),
+            kv_lens=torch.full_like(dev.base, lmax + s),
+            q_index=torch.arange(b * m, device=ids.device),
+            q_positions=positions,
+            mask=mask,
+        )
+        flat = features.reshape(b * m, -1)
+        hidden = self.head(ids.flatten(), flat, positions.flatten(), self._attention(small))
+        logits = self.head.logits(hidden)  # [B * m, V]
+        return logits.float().log_softmax(-1).view(b, m, -1), hidden.view(b, m, -1)
+
+
+class FixedTree:
+    """A fixed tree given as paths of child ranks (Medusa / EAGLE style): path (0, 2) is the
+    third-best child of the root's best child. Nodes are ordered by depth, then path, so that
+    parents come first and any prefix of the nodes is a tree."""
+
+    def __init__(self, paths: tuple[tuple[int, ...], ...], device: torch.device):
+        order = sorted(paths, key=lambda p: (len(p), p))
+        index = {p: i for i, p in enumerate(order)}
+        self.size, self.depth = len(order), max(len(p) for p in order)
+        parents = [index[p[:-1]] if len(p) > 1 else -1 for p in order]
+        inner = sorted({index[p[:-1]] for p in order if len(p) > 1})  # nodes with children
+        scratch = {node: e for e, node in enumerate(inner)}
+        self.scratch_size = max(len(inner), 1)
+        self.device = device
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)
+        self.parents, self.depths = as_tensor(parents), as_tensor([len(p) for p in order])
+        self.levels = []  # per depth: (nodes, their parents' position among the run, ranks)
+        self.runs = []  # per depth < max: (first scratch index, nodes run, parents' scratch)
+        for level in range(1, self.depth + 1):
+            nodes = [i for i, p in enumerate(order) if len(p) == level]
+            ran = [e for e in inner if len(order[e]) == level - 1]
+            where = [ran.index(parents[i]) if level > 1 else 0 for i in nodes]
+            ranks = [order[i][-1] for i in nodes]
+            self.levels.append((as_tensor(nodes), as_tensor(where), as_tensor(ranks), max(ranks)))
+            if level < self.depth:
+                run = [e for e in inner if len(order[e]) == level]
+                feeds = [scratch[parents[e]] if level > 1 else -1 for e in run]
+                self.runs.append(
+                    (scratch[run[0]], run, feeds, self._visible(run, parents, scratch))
+                )
+
+    def _visible(self, run: list[int], parents: list[int], scratch: dict[int, int]) -> torch.Tensor:
+        """[1, m, S] bool: the scratch nodes on each run node's path, itself included."""
+        visible = torch.zeros(1, len(run), self.scratch_size, dtype=torch.bool)
+        for row, node in enumerate(run):
+            while node >= 0:
+                visible[0, row, scratch[node]] = True
+                node = parents[node]
+        return visible.to(self.device)
+
+    def draft(self, d: EagleTreeDrafter, dev: DevicePlan, n: int):
+        """(tokens, parents, depths) [B, n] of the first n nodes."""
+        logp, feature = d.roots(dev)  # [B, V], [B, H]
+        b = logp.shape[0]
+        tokens = torch.full((b, self.size), -1, dtype=torch.long, device=logp.device)
+        children = logp[:, None]  # [B, m, V] log-probabilities of the children of the run nodes
+        outputs = feature.new_zeros(b, self.scratch_size, feature.shape[1])  # [B, S, H]
+        for level, (nodes, where, ranks, worst) in enumerate(self.levels, start=1):
+            top = children.topk(worst + 1, dim=-1).indices  # [B, m, worst rank + 1]
+            tokens[:, nodes] = top[:, where, ranks]
+            if level == self.depth:
+                break
+            first, run, feeds, visible = self.runs[level - 1]
+            ids = tokens[:, run]
+            fed = feature[:, None].expand(b, len(run), -1) if level == 1 else outputs[:, feeds]
+            children, hidden = d.expand(dev, level, first, ids, fed, visible)
+            outputs[:, first : first + len(run)] = hidden
+        expand = lambda t: t[None, :n].expand(b, -1)
+        return tokens[:, :n], expand(self.parents), expand(self.depths)
+
+
+class DynamicTree:
+    """The EAGLE-2 tree: the root's top-k children, then `depth - 1` times the k best nodes of
+    the newest level (by cumulative log-probability under the head) each give their top-k
+    children; the best n nodes of all these candidates form the tree. A child's score never
+    exceeds its parent's, so the best n are a tree when ties keep the parent first."""
+
+    def __init__(self, depth: int, topk: int, device: torch.device):
+        self.depth, self.topk = depth, topk
+        self.scratch_size = max((depth - 1) * topk, 1)  # k nodes run per deeper level
+        depths = [1] * topk + [d for d in range(2, depth + 1) for _ in range(topk**2)]
+        self.depths = torch.tensor(depths, dtype=torch.long, device=device)  # [C] candidates
+
+    def draft(self, d: EagleTreeDrafter, dev: DevicePlan, n: int):
+        """(tokens, parents, depths) [B, n]."""
+        k, s = self.topk, self.scratch_size
+        logp, feature = d.roots(dev)  # [B, V], [B, H]
+        b, device = logp.shape[0], logp.device
+        score, token = logp.topk(k)  # [B, k] the newest level's candidates
+        scores, tokens, parents = [score], [token], [torch.full_like(token, -1)]
+        fed = feature[:, None].expand(b, k, -1)  # [B, c, H] each candidate's parent feature
+        owner = torch.full_like(token, -1)  # [B, c] scratch index of its parent (-1: root)
+        paths = torch.zeros(b, s, s, dtype=torch.bool, device=device)  # scratch nodes' paths
+        start = 0  # candidate index of the newest level's first candidate
+        for level in range(1, self.depth):
+            pick = score.topk(k).indices  # [B, k] (all of level 1)
+            first = (level - 1) * k
+            run = torch.arange(first, first + k, device=device)  # their scratch indices
+            above = owner.gather(1, pick)  # [B, k]
+            row = paths.gather(1, above.clamp(min=0)[..., None].expand(-1, -1, s))
+            row = (row & (above >= 0)[..., None]) | (torch.arange(s, device=device) == run[:, None])
+            paths[:, first : first + k] = row
+            ids = token.gather(1, pick)
+            inputs = fed.gather(1, pick[..., None].expand(-1, -1, fed.shape[2]))
+            children, hidden = d.expand(dev, level, first, ids, inputs, row)
+            child_score, child = children.topk(k)  # [B, k, k]
+            score = (score.gather(1, pick)[..., None] + child_score).flatten(1)  # [B, k * k]
+            token = child.flatten(1)
+            parents.append((start + pick).repeat_interleave(k, 1))
+            start += scores[-1].shape[1]
+            fed = hidden.repeat_interleave(k, 1)
+            owner = run[None].expand(b, k).repeat_interleave(k, 1)
+            scores.append(score)
+            tokens.append(token)
+        return _best(
+            torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1), self.depths, n
+        )
+
+
+def _best(scores, tokens, parents, depths, n: int):
+    """The n best candidates (scores, tokens, parents [B, C], parents as candidate indices,
+    depths [C]) in candidate order, with parents as indices among the chosen."""
+    b = scores.shape[0]
+    # stable: a parent (an earlier candidate, never scored lower) precedes a tied child
+    best = scores.sort(dim=1, descending=True, stable=True).indices[:, :n]
+    chosen = best.sort(dim=1).values  # [B, n] candidate order: parents first
+    inverse = torch.full_like(scores, -1, dtype=torch.long)
+    inverse.scatter_(1, chosen, torch.arange(n, device=scores.device).expand(b, n))
+    above = parents.gather(1, chosen)
+    node_parents = torch.where(above >= 0, inverse.gather(1, above.clamp(min=0)), -1)
+    return tokens.gather(1, chosen), node_parents, depths[chosen]

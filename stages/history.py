@@ -13,10 +13,9 @@ import torch
 class TokenHistory:
     def __init__(self, max_rows: int, max_len: int, device: torch.device):
         self.tokens = torch.zeros(max_rows, max_len, dtype=torch.long, device=device)  # [R, L]
-
-    def at(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Tokens [B] at positions [B] of rows [B]."""
-        return self.tokens[rows, positions]
+        # drafts accepted in each row's latest step: where a step planned before that one was
+        # sampled must move to (stages/insert.py)
+        self.accepted = torch.zeros(max_rows, dtype=torch.long, device=device)  # [R]
 
     def write_prompt(self, rows: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> None:
         """Prefill tokens ids [T] of rows [T] at positions [T]."""
@@ -27,11 +26,13 @@ class TokenHistory:
         rows: torch.Tensor,  # [B]
         first: torch.Tensor,  # [B] position of each row's first emitted token
         tokens: torch.Tensor,  # [B, W] emitted tokens, -1 past the emitted ones
+        accepted: torch.Tensor,  # [B] drafts accepted
     ) -> None:
         """Write all W positions without a host sync: what lies past a row's emitted tokens
         is beyond its committed length, never read, and overwritten by later commits."""
         offsets = torch.arange(tokens.shape[1], device=tokens.device)
         self.tokens[rows[:, None], first[:, None] + offsets] = tokens.clamp(min=0)
+        self.accepted[rows] = accepted
 
     def counts(
         self, rows: torch.Tensor, start: torch.Tensor, end: torch.Tensor, vocab: int

@@ -20,7 +20,7 @@ from engine.scheduler import Sequence
 from kv.cache import KVCache
 from models.attention import AttentionMetadata, TorchPagedAttention
 from models.mtp import MTPHead
-from stages.draft import Drafts, TargetOutput, Verdict, choose_drafts
+from stages.draft import Drafts, TargetOutput, Verdict, choose_drafts, probe_head
 from stages.plan import DevicePlan, Plan, drafter_metadata
 
 
@@ -42,6 +42,9 @@ class MTPDrafter:
 
     def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int]] | None:
         return None
+
+    def probe(self, num_tokens: int) -> None:
+        probe_head(self.head, num_tokens)
 
     def prefill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
         """Pairs (t_p, H_{p-1}) over the chunk at the target's own positions and slots; for a

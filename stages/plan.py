@@ -8,6 +8,7 @@ plan N+2 writes the buffer that step N copied from only after that copy has comp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ from engine.device import Event, Stream
 from engine.scheduler import Batch, Sequence
 from kv.table import build_csr
 from models.attention import AttentionMetadata, paged_metadata
+from stages.insert import StepLayout
 
 
 @dataclass
@@ -36,6 +38,26 @@ class DevicePlan:
     num_drafts: torch.Tensor  # [B] draft tokens allowed per sequence (<= k)
     prompt_lens: torch.Tensor  # [B] output tokens start here (penalties count them)
     host_drafts: torch.Tensor  # [B, k] drafts proposed on the host (n-gram), -1 where none
+    unknown: torch.Tensor  # [B] 1: planned before the sequence's previous step was sampled
+    last_token: torch.Tensor | None = None  # [B] decode: each sequence's next input token
+
+    def insert_next_tokens(self, kernel: Callable, accepted: torch.Tensor, history: torch.Tensor):
+        """Decode steps, first thing on the device: the next input tokens, and the moves the
+        host could not plan (stages/insert.py). accepted [R], history [R, Lh]: per-row state."""
+        b, width = self.tail_slots.shape[0], self.tail_slots.shape[1] - 1
+        meta = self.target_meta
+        layout = StepLayout(
+            rows=self.rows,
+            unknown=self.unknown,
+            base=self.base,
+            positions=self.positions.view(b, width),
+            slots=meta.slot_mapping.view(b, width),
+            q_positions=meta.q_positions,
+            tail_slots=self.tail_slots,
+            kv_slots=meta.kv_slots,
+            kv_lens=meta.kv_lens,
+        )
+        self.last_token = kernel(layout, accepted, history)
 
 
 @dataclass
@@ -55,6 +77,8 @@ class Plan:
     sampling: Any = None  # SamplingTensors of the batch, on the device
     top_logprobs: int | None = None  # top-n logprobs wanted by some request of the batch
     fields: dict = field(default_factory=dict)  # host-side sections, kept for tests and traces
+    device_seconds: float = 0.0  # the step's device work, summed over its stages
+    unknown: list[int] = field(default_factory=list)  # [B] see DevicePlan.unknown
 
     @property
     def batch_size(self) -> int:
@@ -114,12 +138,18 @@ class HostBuffers:
 
 
 def make_plan(
-    batch: Batch, step: int, k: int, page_size: int, host_drafts: list[list[int]] | None = None
+    batch: Batch,
+    step: int,
+    k: int,
+    page_size: int,
+    host_drafts: list[list[int]] | None = None,
+    unknown: list[int] | None = None,
 ) -> Plan:
-    """Host-side sections of a step; `host_drafts` [B][<= k] come from an n-gram drafter."""
+    """Host-side sections of a step; `host_drafts` [B][<= k] come from an n-gram drafter;
+    `unknown` [B] marks decoding sequences whose previous step the host has not seen yet."""
     if batch.kind == "prefill":
         return _prefill_plan(batch, step, page_size)
-    return _decode_plan(batch, step, k, page_size, host_drafts)
+    return _decode_plan(batch, step, k, page_size, host_drafts, unknown or [0] * len(batch.seqs))
 
 
 @dataclass
@@ -155,26 +185,39 @@ def _prefill_plan(batch: Batch, step: int, page_size: int) -> Plan:
 
 
 def _decode_plan(
-    batch: Batch, step: int, k: int, page_size: int, host_drafts: list[list[int]] | None
+    batch: Batch,
+    step: int,
+    k: int,
+    page_size: int,
+    host_drafts: list[list[int]] | None,
+    unknown: list[int],
 ) -> Plan:
     c, base, num_drafts = _Columns(), [], []
     for i, seq in enumerate(batch.seqs):
         n = seq.planned_tokens
-        params = seq.request.params
-        remaining = params.max_tokens - (n - len(seq.request.prompt_ids))
-        cap = k if params.num_speculative_tokens is None else params.num_speculative_tokens
-        # never draft past max_tokens: a step emits at most num_drafts + 1 tokens
-        num_drafts.append(max(0, min(k, remaining - 1, cap)))
+        num_drafts.append(draft_cap(seq, k))
         base.append(n - 1)
         c.positions += range(n - 1, n + k)
         c.slots += seq.table.slots(n - 1, n + k)
         c.logits_index += range(i * (k + 1), (i + 1) * (k + 1))
         c.q_lens.append(k + 1)
-        c.kv_lens.append(n + k + 1)
+        # an unknown previous step may have accepted a draft: count the key it would add, so
+        # that the pages cover both cases (the insert kernel settles it on the device)
+        c.kv_lens.append(n + k + 1 + unknown[i])
         c.tails.append(seq.table.slots(n - 1, n + k + 1))
     plan = Plan(step, "decode", batch.seqs, k, num_drafts, base, [True] * len(base), page_size)
+    plan.unknown = unknown
     plan.fields = _sections(plan, c, host_drafts or [[]] * len(base))
     return plan
+
+
+def draft_cap(seq: Sequence, k: int) -> int:
+    """Draft tokens a decode step may verify for `seq`: at most k, its own
+    num_speculative_tokens, and never past max_tokens (a step emits up to drafts + 1)."""
+    params = seq.request.params
+    remaining = params.max_tokens - (seq.planned_tokens - len(seq.request.prompt_ids))
+    cap = k if params.num_speculative_tokens is None else params.num_speculative_tokens
+    return max(0, min(k, remaining - 1, cap))
 
 
 def _sections(plan: Plan, c: _Columns, drafts: list[list[int]]) -> dict[str, list[int]]:
@@ -196,6 +239,7 @@ def _sections(plan: Plan, c: _Columns, drafts: list[list[int]]) -> dict[str, lis
         "num_drafts": plan.num_drafts,
         "prompt_lens": [len(s.request.prompt_ids) for s in plan.seqs],
         "host_drafts": [x for d in drafts for x in _pad(d, plan.k, -1)],
+        "unknown": plan.unknown or [0] * len(plan.seqs),
     }
 
 
@@ -263,4 +307,5 @@ def unpack(plan: Plan, uploaded: Event, layout: dict[str, tuple[int, int]]) -> D
         num_drafts=t["num_drafts"],
         prompt_lens=t["prompt_lens"],
         host_drafts=t["host_drafts"].view(b, plan.k),
+        unknown=t["unknown"],
     )

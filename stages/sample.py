@@ -332,18 +332,19 @@ def tree_verify(
     parents: torch.Tensor,  # [B, N] int64, parent node index, -1: child of the root
     seeds: torch.Tensor,  # [B] int64
     positions: torch.Tensor,  # [B] int64, absolute position of the first token emitted
+    depth: int | None = None,  # a bound on the tree's depth, known to the caller (no sync)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The tree acceptance rule, children as point masses.
 
     Returns (tokens [B, depth+1] int64 -1 padded, num_accepted [B], path [B, depth] accepted
-    node indices -1 padded), depth being the tree's. From the root, the children of the
-    current node are tried in index order, child c accepted with probability p(c), p(c) := 0
-    and renormalised after each rejection; if none is accepted a draw of the remaining p is
-    emitted. Drawing t from p and accepting the first child whose token is t has exactly
-    that law, and emits what plain decoding with the same seed would.
+    node indices -1 padded), depth being the tree's or the bound given. From the root, the
+    children of the current node are tried in index order, child c accepted with probability
+    p(c), p(c) := 0 and renormalised after each rejection; if none is accepted a draw of the
+    remaining p is emitted. Drawing t from p and accepting the first child whose token is t
+    has exactly that law, and emits what plain decoding with the same seed would.
     """
     batch = target_probs.shape[0]
-    depth = _tree_depth(parents)
+    depth = _tree_depth(parents) if depth is None else depth
     rows = torch.arange(batch, device=target_probs.device)
     current = torch.full_like(rows, -1)  # node index, -1: the root
     active = torch.ones_like(rows, dtype=torch.bool)

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 
 from stages.draft import Drafts, TargetOutput, Verdict
 from stages.history import TokenHistory
 from stages.plan import DevicePlan, Plan
-from stages.sample import PenaltyState, chain_verify, logprobs, process_logits, sample
+from stages.sample import (
+    PenaltyState,
+    SamplingTensors,
+    chain_verify,
+    logprobs,
+    process_logits,
+    sample,
+    tree_verify,
+)
 
 
 class SampleStage:
@@ -19,6 +31,8 @@ class SampleStage:
         st = plan.sampling
         first = dev.base + 1  # position of the first token this step emits
         penalties = self._penalties(dev, first) if st.any_penalty else None
+        if plan.k and drafts.parents is not None:
+            return self._tree(plan, dev, out, drafts, penalties)
         draft_tokens = drafts.tokens if plan.k else None
         probs = process_logits(out.logits, st, penalties, draft_tokens)  # [B, W, V]
         if plan.k:
@@ -32,6 +46,33 @@ class SampleStage:
         verdict = Verdict(tokens, accepted, emitted)
         if plan.top_logprobs is not None:
             self._logprobs(verdict, out.logits, plan.top_logprobs)
+        return verdict
+
+    def _tree(
+        self,
+        plan: Plan,
+        dev: DevicePlan,
+        out: TargetOutput,
+        drafts: Drafts,
+        penalties: PenaltyState | None,
+    ) -> Verdict:
+        """The tree rule (children as point masses); tokens padded to [B, W] like a chain's."""
+        st = plan.sampling
+        probs = _tree_probs(out.logits, st, penalties, drafts)
+        assert drafts.parents is not None
+        tokens, accepted, path = tree_verify(
+            probs, drafts.tokens, drafts.parents, st.seeds, dev.base + 1, drafts.depth
+        )
+        b, w, v = out.logits.shape
+        tokens = F.pad(tokens, (0, w - tokens.shape[1]), value=-1)
+        emitted = torch.where(dev.emits, accepted + 1, 0)
+        verdict = Verdict(tokens, accepted, emitted, path=path)
+        if plan.top_logprobs is not None:
+            # emitted token j was drawn from the row of the path's node j - 1 (the root's: 0)
+            rows = torch.zeros_like(tokens)
+            rows[:, 1 : path.shape[1] + 1] = 1 + path.clamp(min=0)
+            logits = out.logits.gather(1, rows[..., None].expand(b, w, v))
+            self._logprobs(verdict, logits, plan.top_logprobs)
         return verdict
 
     def _penalties(self, dev: DevicePlan, first: torch.Tensor) -> PenaltyState:
@@ -49,3 +90,34 @@ class SampleStage:
         verdict.logprobs = chosen.view(b, w)
         verdict.top_ids = top_ids.view(b, w, n)
         verdict.top_logprobs = top.view(b, w, n)
+
+
+def _tree_probs(
+    logits: torch.Tensor,  # [B, N + 1, V] root row, then a row per node
+    st: SamplingTensors,
+    penalties: PenaltyState | None,
+    drafts: Drafts,
+) -> torch.Tensor:
+    """[B, N + 1, V] processed target distributions; with penalties, a node's row counts the
+    tokens on its own path (its ancestors and itself), as plain decoding would."""
+    if penalties is None:
+        return process_logits(logits, st)
+    assert drafts.ancestors is not None
+    b, w, v = logits.shape
+    tokens = drafts.tokens  # [B, N]
+    hits = torch.zeros(b, w - 1, v, device=logits.device)
+    hits.scatter_(2, tokens.clamp(min=0)[..., None], (tokens >= 0).float()[..., None])
+    on_path = drafts.ancestors.float() @ hits  # [B, N, V]
+    counts = penalties.output_counts[:, None] + F.pad(on_path, (0, 0, 1, 0))  # [B, W, V]
+    rows = PenaltyState(counts.view(b * w, v), penalties.prompt_mask.repeat_interleave(w, 0))
+    return process_logits(logits.view(b * w, 1, v), _repeat_rows(st, w), rows).view(b, w, v)
+
+
+def _repeat_rows(st: SamplingTensors, n: int) -> SamplingTensors:
+    """Each row's parameters repeated n times in place (row r becomes rows r * n .. r * n + n-1)."""
+    values = {f.name: getattr(st, f.name) for f in fields(st)}
+    repeated: dict[str, Any] = {
+        name: v.repeat_interleave(n, 0) if isinstance(v, torch.Tensor) else v
+        for name, v in values.items()
+    }
+    return SamplingTensors(**repeated)

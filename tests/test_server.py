@@ -537,13 +537,15 @@ async def test_overload_is_a_503_with_retry_after(
 
 def test_config_from_args() -> None:
     config, options = config_from_args([])
-    assert config.model is None and config.spec.method == "draft"
+    assert config.model is None and config.spec.method == "draft" and config.spec.adaptive_k
     assert (options.host, options.port, options.api_key) == ("127.0.0.1", 8000, None)
     config, options = config_from_args(
         "--model m --draft d --speculative eagle --num-speculative-tokens 6 --port 0 "
         "--api-key k --page-size 8 --num-pages 100 --max-running 4 --max-waiting 9 "
-        "--max-model-len 512 --served-model-name x --seed 3 --trace-file t.jsonl".split()
+        "--max-model-len 512 --served-model-name x --seed 3 --trace-file t.jsonl "
+        "--fixed-k --calibration c.json".split()
     )
+    assert not config.spec.adaptive_k and config.spec.calibration == "c.json"
     assert (config.model, config.spec.draft, config.spec.method) == ("m", "d", "eagle")
     assert config.spec.num_speculative_tokens == 6 and config.kv == KVConfig(8, 100)
     assert (config.max_running, config.max_waiting, config.max_model_len) == (4, 9, 512)

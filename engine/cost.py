@@ -1,0 +1,191 @@
+"""The cost model: each decode step's draft length k, chosen to maximise expected tokens/s.
+
+A step with draft length k over B sequences costs about
+
+    time(B, k) = verify(B * (k + 1)) + k * draft(B)
+
+(the drafter's k - 1 chained forwards and its refill, each over B tokens; `verify` includes
+the target's logits). Both curves are measured at start-up by timing the models' forwards at
+a few token counts (or loaded from a calibration file) and interpolated; each (batch bucket,
+k) keeps a correction factor learned from the steps' measured device time, which brings in
+what the forwards alone miss (attention over the context, sampling, copies).
+
+Request i, whose drafts are each accepted with probability a_i and which may draft n_i(k) <= k
+tokens, emits in expectation (1 - a_i^(n_i + 1)) / (1 - a_i) tokens a step. The chosen k
+maximises sum_i E_i / time(B, k) over 0..k_max; k = 0 turns speculation off for the step
+(the drafter still refills, so it keeps up). a_i is estimated per request from the accepted
+counts with exponential forgetting, starting from a prior.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.attention import CausalAttention
+
+PRIOR_RATE = 0.6  # acceptance assumed for a new request (the demo pair's greedy is ~0.65)
+PRIOR_WEIGHT = 4.0  # ... worth this many drafted positions
+FORGET = 0.9  # per step: recent steps count more (acceptance drifts with the text)
+FACTOR_SMOOTHING = 0.2  # weight of a new measurement in a correction factor
+
+
+@dataclass
+class Curve:
+    """Seconds of a forward by number of tokens; linear between measured points and beyond."""
+
+    tokens: list[int]  # increasing
+    seconds: list[float]
+
+    def __call__(self, n: int) -> float:
+        xs, ys = self.tokens, self.seconds
+        if len(xs) == 1:
+            return ys[0] * n / xs[0]
+        i = min(max(bisect.bisect_left(xs, n), 1), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return max(0.0, y0 + (y1 - y0) * (n - x0) / (x1 - x0))
+
+
+def measure_curve(forward: Callable[[int], object], sizes: list[int], repeats: int = 3) -> Curve:
+    """The fastest of `repeats` timings of `forward(n)` for each n in sizes (after a warm-up
+    call), made non-decreasing: more tokens never cost less, and a machine busy with other
+    work only ever adds time."""
+    seconds: list[float] = []
+    for n in sizes:
+        forward(n)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            forward(n)
+            times.append(time.perf_counter() - start)
+        seconds.append(max([min(times), *seconds[-1:]]))
+    return Curve(list(sizes), seconds)
+
+
+def calibration_sizes(limit: int) -> list[int]:
+    """Powers of two up to `limit` (and `limit` itself): where the curves are measured."""
+    sizes = [1]
+    while sizes[-1] * 2 < limit:
+        sizes.append(sizes[-1] * 2)
+    return sizes + [limit] if limit > 1 else sizes
+
+
+@dataclass
+class Calibration:
+    verify: Curve  # the target's forward and logits over n tokens
+    draft: Curve  # one drafter forward over n tokens (zero for a drafter without a model)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        d = json.loads(Path(path).read_text())
+        return cls(Curve(**d["verify"]), Curve(**d["draft"]))
+
+
+@dataclass
+class AcceptanceRate:
+    """One request's smoothed chance that a draft token is accepted (given its prefix was).
+
+    A step that drafted n tokens and accepted a of them saw a acceptances and, if a < n, one
+    rejection; the estimate is acceptances over trials, both decayed by FORGET each step."""
+
+    accepted: float = PRIOR_RATE * PRIOR_WEIGHT
+    trials: float = PRIOR_WEIGHT
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        self.accepted = FORGET * self.accepted + accepted
+        self.trials = FORGET * self.trials + accepted + (accepted < drafted)
+
+    @property
+    def rate(self) -> float:
+        return min(self.accepted / self.trials, 0.999)
+
+
+def expected_tokens(rate: float, drafts: int) -> float:
+    """Tokens a step emits in expectation: 1 + rate + ... + rate^drafts."""
+    return (1 - rate ** (drafts + 1)) / (1 - rate)
+
+
+@dataclass
+class CostModel:
+    calibration: Calibration
+    k_max: int
+    factors: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, k) -> x
+
+    def step_seconds(self, batch: int, k: int) -> float:
+        cal = self.calibration
+        forwards = cal.verify(batch * (k + 1)) + k * cal.draft(batch)
+        return forwards * self.factors.get((_bucket(batch), k), 1.0)
+
+    def choose(self, rates: list[float], caps: list[int]) -> int:
+        """The k in 0..k_max of the most expected tokens per second; caps [B]: each request's
+        most drafts (max_tokens, its own num_speculative_tokens)."""
+        batch = len(rates)
+        best_k, best = 0, 0.0
+        for k in range(self.k_max + 1):
+            tokens = sum(expected_tokens(r, min(k, c)) for r, c in zip(rates, caps, strict=True))
+            speed = tokens / self.step_seconds(batch, k)
+            if speed > best:
+                best_k, best = k, speed
+        return best_k
+
+    def observe(self, batch: int, k: int, seconds: float) -> None:
+        """A step of `batch` sequences and draft length k took `seconds` of device time."""
+        cal = self.calibration
+        predicted = cal.verify(batch * (k + 1)) + k * cal.draft(batch)
+        key = (_bucket(batch), k)
+        old = self.factors.get(key, 1.0)
+        ratio = seconds / max(predicted, 1e-9)
+        self.factors[key] = (1 - FACTOR_SMOOTHING) * old + FACTOR_SMOOTHING * ratio
+
+
+def _bucket(batch: int) -> int:
+    """Batch sizes grouped by powers of two (1, 2, 3-4, 5-8, ...)."""
+    return (batch - 1).bit_length()
+
+
+def build_cost_model(
+    target: Any, drafter: Any, max_rows: int, k_max: int, path: str | None
+) -> CostModel:
+    """The cost model of a target and drafter (`probe(n)`: a drafter forward over n tokens),
+    its curves loaded from the calibration file `path` or measured now (a few seconds) and
+    saved there."""
+    if path and Path(path).exists():
+        return CostModel(Calibration.load(path), k_max)
+    device = target.embed_tokens.weight.device
+
+    def verify(num_tokens: int) -> None:
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+        hidden, _ = target(ids, ids, CausalAttention(num_tokens, 1))
+        target.logits(hidden)
+        _wait(device)
+
+    def draft(num_tokens: int) -> None:
+        drafter.probe(num_tokens)
+        _wait(device)
+
+    with torch.inference_mode():
+        calibration = Calibration(
+            measure_curve(verify, calibration_sizes(max_rows * (k_max + 1))),
+            measure_curve(draft, calibration_sizes(max_rows)),
+        )
+    if path:
+        calibration.save(path)
+    return CostModel(calibration, k_max)
+
+
+def _wait(device: torch.device) -> None:
+    """Timing on CUDA: the launched work must have finished."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

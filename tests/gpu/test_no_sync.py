@@ -1,0 +1,62 @@
+"""MTP's one-token mode on CUDA: no device stage of a decode step synchronises with the host.
+
+Run on an accelerator with tests/gpu/check.sh; skipped on a CPU. While a decode step's draft,
+verify, sample or refill runs, torch's sync debug mode turns any synchronising call into an
+error (the step then fails its requests). The mode is process-wide, so the host's download of
+a step's tokens (a synchronising copy by design) waits until no guarded stage runs.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from engine.engine import AsyncEngine
+from engine.request import SamplingParams
+from models.loader import load_model
+from models.mtp import save_mtp_head
+from tests.engine_util import make_config, ragged_prompts, running, staggered
+from tests.test_mtp import random_head
+from tests.tiny import write_model
+
+pytestmark = pytest.mark.gpu
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+def sync_is_an_error(monkeypatch):
+    lock = threading.Lock()
+    traced, download = AsyncEngine._traced, AsyncEngine._download
+
+    def stage(self, name, fn, plan):
+        if plan.kind != "decode" or name not in ("draft", "verify", "sample", "refill"):
+            return traced(self, name, fn, plan)
+        with lock:
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return traced(self, name, fn, plan)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+    def guarded_download(plan):
+        with lock:
+            return download(plan)
+
+    monkeypatch.setattr(AsyncEngine, "_traced", stage)
+    monkeypatch.setattr(AsyncEngine, "_download", staticmethod(guarded_download))
+
+
+async def test_one_token_mode_never_syncs_on_cuda(tmp_path, sync_is_an_error):
+    target_dir = write_model(tmp_path / "t", seed=0)
+    save_mtp_head(random_head(load_model(target_dir), seed=7), tmp_path / "h")
+    prompts = ragged_prompts(8, 300, seed=11)
+    plain_config = make_config(target_dir, device="cuda")
+    async with running(plain_config) as engine:
+        expected = await staggered(engine, prompts, GREEDY)
+    config = make_config(target_dir, "mtp", tmp_path / "h", k=1, device="cuda")
+    async with running(config) as engine:
+        outs = await staggered(engine, prompts, GREEDY, seed=5)
+    assert outs == expected  # a sync would have failed its step's requests

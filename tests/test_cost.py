@@ -1,0 +1,153 @@
+"""The draft-length cost model: its curves, acceptance estimates and choices, and the engine
+using it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from engine.cost import (
+    AcceptanceRate,
+    Calibration,
+    CostModel,
+    Curve,
+    calibration_sizes,
+    expected_tokens,
+    measure_curve,
+)
+from engine.request import SamplingParams
+from tests.engine_util import make_config, ragged_prompts, running, staggered
+
+
+def test_curve_interpolates_and_extrapolates_linearly():
+    curve = Curve([1, 4, 8], [1.0, 2.5, 4.5])
+    assert curve(1) == 1.0 and curve(4) == 2.5
+    assert curve(2) == pytest.approx(1.5)
+    assert curve(6) == pytest.approx(3.5)
+    assert curve(16) == pytest.approx(8.5)  # the last segment's slope goes on
+    assert Curve([2], [0.5])(8) == pytest.approx(2.0)
+
+
+def test_calibration_sizes():
+    assert calibration_sizes(1) == [1]
+    assert calibration_sizes(8) == [1, 2, 4, 8]
+    assert calibration_sizes(20) == [1, 2, 4, 8, 16, 20]
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 4) == pytest.approx(1.0)
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(0.9, 0) == pytest.approx(1.0)
+
+
+def test_acceptance_rate_follows_what_it_sees():
+    rate = AcceptanceRate()
+    for _ in range(40):
+        rate.observe(4, 4)  # all accepted: no rejection seen
+    assert rate.rate > 0.95
+    for _ in range(40):
+        rate.observe(4, 1)  # one accepted, then a rejection: 1 / 2 trials
+    assert rate.rate == pytest.approx(0.5, abs=0.02)
+    before = rate.rate
+    rate.observe(0, 0)  # a step without drafts says nothing
+    assert rate.rate == before
+
+
+def model(verify: Curve, draft_seconds: float = 0.0, k_max: int = 6) -> CostModel:
+    return CostModel(Calibration(verify, Curve([1], [draft_seconds])), k_max)
+
+
+def test_free_verification_and_good_acceptance_draft_the_most():
+    flat = Curve([1, 1024], [0.01, 0.01])
+    assert model(flat).choose([0.8] * 4, [6] * 4) == 6
+
+
+def test_verification_that_costs_per_token_turns_speculation_off():
+    linear = Curve([1, 1024], [0.01, 10.24])  # k + 1 tokens cost k + 1 steps
+    assert model(linear).choose([0.8] * 4, [6] * 4) == 0
+
+
+def test_the_choice_weighs_acceptance_against_cost():
+    # verify(n) = 10 + n ms, draft 2 ms a token: k = 3 at rate 0.8 beats both ends
+    curve = Curve([1, 1024], [0.011, 1.034])
+    chosen = model(curve, 0.002).choose([0.8], [6])
+    best = max(
+        range(7), key=lambda k: expected_tokens(0.8, k) / (0.010 + (k + 1) * 0.001 + k * 0.002)
+    )
+    assert chosen == best and 0 < chosen < 6
+    assert model(curve, 0.002).choose([0.05], [6]) == 0  # drafts are never accepted
+    assert model(curve, 0.002).choose([0.8], [0]) == 0  # nothing may be drafted
+
+
+def test_measured_steps_correct_the_curves():
+    cm = model(Curve([1, 1024], [0.011, 1.034]), 0.002)
+    before = cm.step_seconds(4, 3)
+    for _ in range(30):
+        cm.observe(4, 3, 3 * before)
+    assert cm.step_seconds(4, 3) == pytest.approx(3 * before, rel=0.01)
+    assert cm.step_seconds(4, 2) < before  # other draft lengths keep their own factors
+    assert cm.step_seconds(64, 3) < 64 * before  # and other batch sizes
+
+
+def test_calibration_file_round_trip(tmp_path):
+    cal = Calibration(Curve([1, 2], [0.1, 0.2]), Curve([1], [0.01]))
+    cal.save(tmp_path / "c.json")
+    assert Calibration.load(tmp_path / "c.json") == cal
+
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+
+def test_engine_calibrates_saves_and_reloads(tiny_target, tiny_draft, tmp_path):
+    path = tmp_path / "calibration.json"
+    config = make_config(
+        tiny_target,
+        "draft",
+        tiny_draft,
+        k=4,
+        spec_kw={"adaptive_k": True, "calibration": str(path)},
+    )
+
+    async def main():
+        async with running(config) as engine:
+            first = engine.cost.calibration
+        async with running(config) as engine:
+            assert engine.cost.calibration == first  # loaded, not measured again
+
+    asyncio.run(main())
+    saved = json.loads(path.read_text())
+    assert saved["verify"]["tokens"][-1] == 64 * 5  # max_running rows of k + 1 tokens
+
+
+def test_engine_drafts_less_when_drafts_are_rejected(tiny_target, tiny_draft):
+    """The tiny draft is unrelated to the tiny target (acceptance near 1 / vocab). With fixed
+    curves (verify(n) = 10 + n ms, a draft token 2 ms) the prior's acceptance makes k = 2 the
+    best; once the estimates have seen the rejections, k = 0 is. Output stays lossless."""
+    prompts = ragged_prompts(4, 50, seed=1)
+
+    async def main(method):
+        config = make_config(tiny_target, method, tiny_draft, k=4, spec_kw={"adaptive_k": True})
+        async with running(config) as engine:
+            if engine.cost is not None:
+                engine.cost.calibration = Calibration(
+                    Curve([1, 1001], [0.011, 1.011]), Curve([1], [0.002])
+                )
+                engine.cost.observe = lambda *args: None  # no timing noise in the choice
+            outs = await staggered(engine, prompts, GREEDY)
+            steps = engine.metrics.steps_by_k
+            return outs, {k: steps.labels(k=k).value for k in range(5)}
+
+    plain, _ = asyncio.run(main("none"))
+    spec, by_k = asyncio.run(main("draft"))
+    assert spec == plain
+    assert by_k[2] > 0 and by_k[0] > by_k[1] + by_k[2] + by_k[3] + by_k[4], by_k
+
+
+def test_measured_curves_never_fall():
+    durations = {1: 0.002, 2: 0.008, 4: 0.003}  # 4 tokens seemingly cheaper than 2
+    curve = measure_curve(lambda n: time.sleep(durations[n]), [1, 2, 4], repeats=2)
+    assert curve.tokens == [1, 2, 4]
+    assert curve.seconds[0] >= 0.002 and curve.seconds[2] >= curve.seconds[1] >= 0.008

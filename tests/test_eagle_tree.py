@@ -1,0 +1,414 @@
+"""EAGLE tree drafting: tree-masked verification against dense recomputes, the accepted path's
+KV moves, lossless greedy and sampled speculation for chain, fixed and dynamic trees."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.config import SpecConfig
+from engine.request import SamplingParams
+from kv.cache import KVCache
+from kv.table import PageTable
+from models.attention import CausalAttention, TorchPagedAttention, paged_metadata
+from models.eagle import save_eagle_head
+from models.loader import load_model
+from server import config_from_args
+from stages import eagle_drafter
+from stages.draft import tree_ancestors, tree_drafts
+from stages.eagle_drafter import _best
+from stages.refill import move_tree_path
+from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
+from tests.test_attention import shuffled_allocator
+from tests.test_eagle import random_head
+from tests.test_speculative_stats import (
+    PARAMS,
+    PROMPT,
+    TOKENS,
+    VOCAB,
+    chi_square_p_value,
+    exact_joint,
+)
+from tests.test_speculative_stats import N as DRAWS
+from tests.tiny import write_model
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+FIXED = ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0))
+TREES = {
+    "chain": dict(tree="chain"),
+    "fixed": dict(tree="fixed", tree_paths=FIXED),
+    "dynamic": dict(tree="dynamic", tree_nodes=7, tree_depth=3, tree_topk=3),
+}
+
+
+def tree_config(target, head, tree: str, **kw):
+    """Every decode step drafts the whole tree (no cost model shrinking it)."""
+    return make_config(target, "eagle", head, spec_kw=TREES[tree] | {"adaptive_k": False}, **kw)
+
+
+@pytest.fixture(scope="module")
+def head_dir(tiny_target, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("eagle_tree")
+    save_eagle_head(random_head(load_model(tiny_target), norms=True), directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A target with an 8-token vocabulary and a random head: top-k children cover much of
+    it, so trees accept deep paths through nodes other than the first child."""
+    root = tmp_path_factory.mktemp("small_vocab")
+    target = write_model(root / "t", layers=2, hidden=32, seed=7, scale=1.5, model_vocab=8)
+    head = root / "head"
+    save_eagle_head(random_head(load_model(target), norms=True, seed=2, scale=1.0), head)
+    return target, head
+
+
+# ---------------------------------------------------------------- the tree's verify inputs
+
+
+PARENTS = [-1, -1, 0, 0, 1, 2, 5]  # node depths 1 1 2 2 2 3 4
+
+
+def path_of(node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = PARENTS[node]
+    return path[::-1]
+
+
+def test_ancestors_and_mask_follow_the_paths():
+    parents = torch.tensor([PARENTS])
+    depths = torch.tensor([[len(path_of(i)) for i in range(len(PARENTS))]])
+    ancestors = tree_ancestors(parents, 4)[0]
+    for i in range(len(PARENTS)):
+        assert ancestors[i].nonzero().flatten().tolist() == path_of(i)
+    base, lmax = 5, 16
+    dev = SimpleNamespace(
+        base=torch.tensor([base]), target_meta=SimpleNamespace(kv_slots=torch.zeros(1, lmax))
+    )
+    drafts = tree_drafts(dev, torch.arange(7)[None], parents, depths, 4)
+    assert drafts.positions[0].tolist() == [base] + [base + int(d) for d in depths[0]]
+    assert drafts.mask[0, 0].nonzero().flatten().tolist() == list(range(base + 1))
+    for i in range(len(PARENTS)):
+        seen = drafts.mask[0, 1 + i].nonzero().flatten().tolist()
+        assert seen == list(range(base + 1)) + [base + 1 + j for j in path_of(i)]
+
+
+def test_tree_verify_forward_equals_dense_path_forwards(tiny_target):
+    """The target over a tree (positions by depth, slots by node index, the tree mask) gives
+    each node the hidden state of a dense causal forward over the prompt and its path."""
+    torch.set_num_threads(1)  # tiny products of ever new shapes crawl on two busy cores
+    model = load_model(tiny_target)
+    cfg = model.config
+    page_size, prompt = 4, [5, 17, 3, 250, 9, 11, 42]
+    table = PageTable(page_size)
+    table.grow(shuffled_allocator(32, 1), len(prompt) + len(PARENTS) + 1)
+    cache = KVCache(cfg.num_layers, 32, page_size, cfg.num_kv_heads, cfg.head_dim)
+    cache.data.normal_()  # a read of a wrong slot shows
+
+    def metadata(q_len: int, kv_len: int, positions: list[int], slots: list[int]):
+        pages = -(-kv_len // page_size)
+        return paged_metadata(
+            torch.tensor([0, q_len]),
+            torch.tensor([0, pages]),
+            torch.tensor(table.pages[:pages]),
+            torch.tensor([kv_len - (pages - 1) * page_size]),
+            torch.tensor(positions),
+            torch.tensor(slots),
+            page_size,
+            q_len,
+            pages * page_size,
+        )
+
+    n = len(prompt) - 1  # the prompt but its last token, which is the tree's root
+    meta = metadata(n, n, list(range(n)), table.slots(0, n))
+    model(
+        torch.tensor(prompt[:n]), torch.arange(n), TorchPagedAttention(meta, cache, cfg.num_heads)
+    )
+    tokens = torch.tensor([[60, 61, 62, 63, 64, 65, 66]])
+    parents = torch.tensor([PARENTS])
+    depths = torch.tensor([[len(path_of(i)) for i in range(len(PARENTS))]])
+    width, kv_len = len(PARENTS) + 1, n + len(PARENTS) + 1
+    meta = metadata(width, kv_len, list(range(n, kv_len)), table.slots(n, kv_len))
+    dev = SimpleNamespace(base=torch.tensor([n]), target_meta=meta)
+    drafts = tree_drafts(dev, tokens, parents, depths, 4)
+    meta = replace(meta, q_positions=drafts.positions, mask=drafts.mask)
+    ids = torch.cat([torch.tensor(prompt[n:]), tokens[0]])
+    attn = TorchPagedAttention(meta, cache, cfg.num_heads)
+    hidden, _ = model(ids, drafts.positions.flatten(), attn)
+    for i in range(-1, len(PARENTS)):
+        seq = prompt + [int(tokens[0, j]) for j in (path_of(i) if i >= 0 else [])]
+        dense, _ = model(torch.tensor(seq), torch.arange(len(seq)), CausalAttention(1, len(seq)))
+        torch.testing.assert_close(hidden[1 + i], dense[-1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("page_size", [2, 4])
+def test_accepted_path_moves_into_place_across_pages(page_size):
+    gen = torch.Generator().manual_seed(page_size)
+    cache = KVCache(2, 24, page_size, 2, 3)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=gen))
+    base, nodes = [5, 2], 8
+    allocator = shuffled_allocator(24, page_size)
+    tables = [PageTable(page_size), PageTable(page_size)]
+    for table in tables:
+        table.grow(allocator, 16)
+    tail = torch.tensor([t.slots(b, b + nodes + 2) for t, b in zip(tables, base, strict=True)])
+    # row 0 accepts nodes 1, 4, 6 (sources past the page of their destinations); row 1 none
+    path = torch.tensor([[1, 4, 6, -1], [-1, -1, -1, -1]])
+    accepted = torch.tensor([3, 0])
+    before = cache.data.clone()
+    move_tree_path(cache, tail, path, accepted)
+    expected = before.clone()
+    for j, node in enumerate([1, 4, 6]):
+        s, d = int(tail[0, 1 + node]), int(tail[0, 1 + j])
+        expected[:, d // page_size, :, d % page_size] = before[:, s // page_size, :, s % page_size]
+    pages = {int(tail[0, i]) // page_size for i in (1, 2, 3, 5, 7)}
+    assert len(pages) > 1
+    assert torch.equal(cache.data, expected)
+
+
+def test_best_nodes_form_a_tree_with_parents_first():
+    # candidates: level 1 = 0, 1; level 2 = 2..5 (children of 0: 2, 3; of 1: 4, 5)
+    scores = torch.tensor([[-1.0, -0.5, -1.0, -3.0, -0.5, -0.7]])  # 2 ties its parent
+    tokens = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    parents = torch.tensor([[-1, -1, 0, 0, 1, 1]])
+    depths = torch.tensor([1, 1, 2, 2, 2, 2])
+    node_tokens, node_parents, node_depths = _best(scores, tokens, parents, depths, 5)
+    assert node_tokens.tolist() == [[10, 11, 12, 14, 15]]
+    assert node_parents.tolist() == [[-1, -1, 0, 1, 1]]
+    assert node_depths.tolist() == [[1, 1, 2, 2, 2]]
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(tree="wide"), "unknown tree"),
+        (dict(method="draft", tree="fixed"), "needs the eagle method"),
+        (dict(tree="fixed", sampled_drafts=True), "never sampled"),
+        (dict(tree="dynamic", tree_nodes=30, tree_depth=2, tree_topk=3), "12 candidates"),
+        (dict(tree="fixed", tree_paths=((0,), (1, 0))), "lacks its parent"),
+    ],
+)
+def test_tree_config_is_validated(kw, message):
+    with pytest.raises(ValueError, match=message):
+        SpecConfig(**({"method": "eagle"} | kw))
+
+
+def test_server_flags_make_the_tree_config(capsys):
+    argv = ["--speculative", "eagle", "--draft", "head", "--tree", "dynamic"]
+    config, _ = config_from_args(argv + ["--tree-nodes", "12", "--tree-depth", "3"])
+    spec = config.spec
+    assert (spec.tree, spec.tree_nodes, spec.tree_depth) == ("dynamic", 12, 3)
+    assert spec.num_draft_tokens == 12  # the engine's k: every node is verified
+    with pytest.raises(SystemExit):
+        config_from_args(argv + ["--tree-nodes", "99"])
+    assert "tree_nodes must be in 1..64" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- drafting
+
+
+@pytest.mark.parametrize("tree", ["fixed", "dynamic"])
+async def test_tree_nodes_are_the_heads_top_children(tiny_target, head_dir, tree):
+    """Each drafted node is one of the top-k children of its parent under the head run
+    densely over the committed pairs and then its own features along the node's path (for a
+    fixed tree: exactly the child of its rank): checks the head's tree pass (scratch KV,
+    mask, positions) and the tree bookkeeping."""
+    prompts = {"a": ragged_prompts(1, 300, seed=3)[0] * 2, "b": [7, 8, 9], "c": list(range(3, 30))}
+    config = tree_config(tiny_target, head_dir, tree, max_batch_tokens=8)
+    async with running(config) as engine:
+        calls = []
+        propose = engine.drafter.propose
+
+        def recording(plan, dev):
+            drafts = propose(plan, dev)
+            ids = [s.request.request_id for s in plan.seqs]
+            calls.append((ids, dev.base.tolist(), drafts.tokens.tolist(), drafts.parents.tolist()))
+            return drafts
+
+        engine.drafter.propose = recording
+        streams = {name: engine.submit(p, GREEDY, request_id=name) for name, p in prompts.items()}
+        outputs = {name: token_ids([d async for d in s]) for name, s in streams.items()}
+    assert len(calls) > 5
+    head = engine.drafter.head
+    torch.set_num_threads(1)
+    ranks = {node: path[-1] for node, path in enumerate(sorted(FIXED, key=lambda p: (len(p), p)))}
+    for ids, bases, tokens, parents in calls:
+        for name, base, nodes, above in zip(ids, bases, tokens, parents, strict=True):
+            committed = (prompts[name] + outputs[name])[: base + 1]
+            for node, token in enumerate(nodes):
+                if token < 0:
+                    continue
+                path = [node]
+                while above[path[-1]] >= 0:
+                    path.append(above[path[-1]])
+                walk = [nodes[i] for i in path[::-1][:-1]]
+                top = dense_top(head, committed, walk, TREES["dynamic"]["tree_topk"] + 1)
+                if tree == "fixed":
+                    assert token == top[ranks[node]], (name, base, node)
+                else:
+                    assert token in top[: TREES["dynamic"]["tree_topk"]], (name, base, node)
+
+
+def dense_top(head, committed: list[int], walk: list[int], k: int) -> list[int]:
+    """The head's top-k next tokens after the committed pairs and its own steps along walk."""
+    n = len(committed) - 1
+    target = head.target
+    hidden, _ = target(torch.tensor(committed[:n]), torch.arange(n), CausalAttention(1, n))
+    ids, features = committed[1:], hidden
+    out = head(torch.tensor(ids), features, torch.arange(n), CausalAttention(1, n))[-1]
+    for token in walk:
+        ids, features = ids + [token], torch.cat([features, out[None]])
+        m = len(ids)
+        out = head(torch.tensor(ids), features, torch.arange(m), CausalAttention(1, m))[-1]
+    return head.logits(out[None])[0].topk(k).indices.tolist()
+
+
+# ---------------------------------------------------------------- lossless speculation
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [[t % 8 for t in p] for p in ragged_prompts(16, 300, seed=21)]
+
+
+@pytest.fixture(scope="module")
+def expected(small, prompts):
+    async def plain():
+        async with running(make_config(small[0])) as engine:
+            return await staggered(engine, prompts, GREEDY)
+
+    return asyncio.run(plain())
+
+
+@pytest.mark.parametrize("tree", sorted(TREES))
+@pytest.mark.parametrize("pages", [256, 48])
+async def test_greedy_trees_equal_plain(small, prompts, expected, tree, pages, monkeypatch):
+    moved = []  # accepted paths that left the first-child chain (a real KV move)
+
+    def recording(cache, tail_slots, path, accepted):
+        steps = torch.arange(path.shape[1])
+        off_chain = (path != steps) & (steps < accepted[:, None])
+        moved.extend(accepted[off_chain.any(1)].tolist())
+        move_tree_path(cache, tail_slots, path, accepted)
+
+    monkeypatch.setattr(eagle_drafter, "move_tree_path", recording)
+    config = tree_config(*small, tree, pages=pages, max_batch_tokens=64)
+    async with running(config) as engine:
+        assert await staggered(engine, prompts, GREEDY, seed=5) == expected
+        if pages < 100:
+            assert engine.scheduler.num_preemptions > 0
+        await engine.wait_idle()
+        assert engine.allocator.num_free == engine.allocator.num_pages
+    if tree != "chain":
+        assert max(moved, default=0) >= 2  # some path of two or more nodes moved
+
+
+@pytest.mark.parametrize("tree", ["fixed", "dynamic"])
+async def test_seeded_sampling_with_penalties_equals_plain(tiny_target, head_dir, tree):
+    """Point-mass drafts emit exactly what plain decoding draws with the same seeds, so the
+    outputs must match token for token, penalties counted along each node's own path."""
+    params = SamplingParams(
+        max_tokens=16,
+        temperature=0.9,
+        top_p=0.95,
+        frequency_penalty=0.4,
+        presence_penalty=0.3,
+        repetition_penalty=1.2,
+        ignore_eos=True,
+        seed=3,
+    )
+    prompts = ragged_prompts(6, 300, seed=8)
+    async with running(make_config(tiny_target, pages=128)) as engine:
+        plain = await staggered(engine, prompts, params)
+    async with running(tree_config(tiny_target, head_dir, tree, pages=128)) as engine:
+        assert await staggered(engine, prompts, params, seed=2) == plain
+        await engine.wait_idle()
+        assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+@pytest.mark.parametrize("tree", ["fixed", "dynamic"])
+async def test_tree_logprobs_equal_plain(small, tree):
+    """Each emitted token's logprobs come from the verify row of its parent on the path."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    prompt = [1, 5, 2, 7, 3]
+    async with running(make_config(small[0])) as engine:
+        plain = [lp for d in await engine.generate(prompt, params) for lp in d.logprobs or []]
+    async with running(tree_config(*small, tree)) as engine:
+        deltas = await engine.generate(prompt, params)
+    assert deltas[-1].usage.accepted_tokens > 0
+    tree_lps = [lp for d in deltas for lp in d.logprobs or []]
+    assert [lp.token_id for lp in tree_lps] == [lp.token_id for lp in plain]
+    for got, want in zip(tree_lps, plain, strict=True):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert [t for t, _ in got.top] == [t for t, _ in want.top]
+
+
+# ---------------------------------------------------------------- the sampling law
+
+
+@pytest.fixture(scope="module")
+def stats_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tree_stats")
+    target = write_model(root / "t", layers=1, hidden=16, seed=3, scale=1.5, model_vocab=VOCAB)
+    head = root / "head"
+    save_eagle_head(random_head(load_model(target), norms=True, seed=5, scale=1.5), head)
+    return target, head
+
+
+async def tree_joint(target, head, tree: str) -> dict[tuple[int, ...], int]:
+    trees = {
+        "fixed": dict(tree="fixed", tree_paths=((0,), (1,), (0, 0), (1, 0), (0, 0, 0))),
+        "dynamic": dict(tree="dynamic", tree_nodes=5, tree_depth=3, tree_topk=2),
+    }
+    config = make_config(
+        target,
+        "eagle",
+        head,
+        pages=4 * DRAWS,
+        page_size=4,
+        max_running=DRAWS,
+        max_waiting=DRAWS,
+        max_batch_tokens=len(PROMPT) * DRAWS,
+        max_model_len=16,
+    )
+    config = replace(config, spec=replace(config.spec, adaptive_k=False, **trees[tree]))
+    async with running(config) as engine:
+        outs = await asyncio.gather(
+            *(engine.generate(PROMPT, SamplingParams(seed=i, **PARAMS)) for i in range(DRAWS))
+        )
+        await engine.wait_idle()
+        assert engine.allocator.num_free == engine.allocator.num_pages
+    assert all(out[-1].usage.draft_tokens >= 2 for out in outs)  # capped by max_tokens
+    counts: dict[tuple[int, ...], int] = {}
+    for out in outs:
+        key = tuple(token_ids(out))
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tree", ["fixed", "dynamic"])
+def test_sampled_trees_follow_the_target(stats_models, tree):
+    target, head = stats_models
+    expected = exact_joint(target)
+    observed = asyncio.run(tree_joint(target, head, tree))
+    assert sum(observed.values()) == DRAWS
+    assert all(len(k) == TOKENS for k in observed)
+    assert chi_square_p_value(observed, expected, DRAWS) > 1e-3
+    # power: the same draws reject a law with 2% of the likeliest first token's mass moved
+    first = max(range(VOCAB), key=lambda t: sum(p for k, p in expected.items() if k[0] == t))
+    mass = sum(p for k, p in expected.items() if k[0] == first)
+    shifted = dict(expected)
+    for k, p in expected.items():
+        if k[0] == first:
+            moved = (k[0] + 1) % VOCAB, *k[1:]
+            shifted[k] -= p * 0.02 / mass
+            shifted[moved] = shifted.get(moved, 0) + p * 0.02 / mass
+    assert chi_square_p_value(observed, shifted, DRAWS) < 1e-3
