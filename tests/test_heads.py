@@ -1,0 +1,160 @@
+"""Head training on a tiny random target: the precomputed store, a few training steps of each
+kind, and validation through the engine."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from models.attention import CausalAttention
+from models.loader import load_model
+from tests.engine_util import running
+from train import head_data, head_train, head_validate
+from train.heads import export_head
+from train.loop import TrainConfig, train
+
+WINDOW = 32
+CFG = head_data.PrecomputeConfig(
+    window=WINDOW, topk=8, train_tokens=8 * WINDOW, heldout_tokens=2 * WINDOW, shard_windows=3
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread_for_fixtures():
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models run fastest on one thread, and two threads spin badly on a busy machine."""
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    model = load_model(tiny_target, dtype=torch.float32)
+    head_train.freeze_shared(model)
+    return model
+
+
+@pytest.fixture(scope="module")
+def store(target, tmp_path_factory):
+    """A precomputed store of random token windows; its directory."""
+    rng = np.random.default_rng(0)
+    vocab = target.config.vocab_size
+    splits = {
+        "train": rng.integers(1, vocab, size=9 * WINDOW).astype(np.uint16),
+        "heldout": rng.integers(1, vocab, size=3 * WINDOW).astype(np.uint16),
+    }
+    data_dir = tmp_path_factory.mktemp("run") / head_data.DATA_DIR
+    head_data.precompute(target, splits, data_dir, CFG)
+    return data_dir
+
+
+def test_store_holds_the_targets_outputs(target, store):
+    data = head_data.load_split(store, "train")
+    assert data["tokens"].shape == (8, WINDOW)
+    assert data["hidden"].shape == (8, WINDOW, target.config.hidden_size)
+    assert data["hidden"].dtype == torch.float16 and data["topk_ids"].dtype == torch.int16
+    assert len(list((store / "train").glob("shard-*.safetensors"))) == 3
+    ids = data["tokens"][:2].long()
+    hidden, _ = target(ids.flatten(), torch.arange(WINDOW).repeat(2), CausalAttention(2, WINDOW))
+    torch.testing.assert_close(data["hidden"][:2].float().flatten(0, 1), hidden, atol=2e-3, rtol=0)
+    argmax = target.logits(hidden).argmax(-1)
+    assert torch.equal(data["topk_ids"][:2, :, 0].long().flatten(), argmax)
+
+
+def test_precompute_resumes_and_refuses_other_settings(target, store):
+    shard = head_data.shard_path(store, "train", 1)
+    before = shard.stat().st_mtime_ns
+    shard.unlink()
+    other = head_data.shard_path(store, "train", 0).stat().st_mtime_ns
+    tokens = {"train": np.arange(9 * WINDOW, dtype=np.uint16) % 50 + 1}
+    head_data.precompute(target, tokens, store, CFG)  # redoes only the missing shard
+    assert shard.exists() and shard.stat().st_mtime_ns != before
+    assert head_data.shard_path(store, "train", 0).stat().st_mtime_ns == other
+    with pytest.raises(ValueError, match="other settings"):
+        head_data.precompute(target, tokens, store, head_data.PrecomputeConfig(window=16))
+
+
+def train_head(kind, target, store, run_dir, steps=25):
+    """A head trained `steps` steps on the store; its loss terms on its training windows
+    before and after."""
+    data = head_train.HeadData(head_data.load_split(store, "train"))
+    torch.manual_seed(0)
+    head = head_train.build_head(kind, target)
+    loss = head_train.HeadLoss.default(kind)
+    before = head_train.heldout_metrics(head, data, loss)
+    cfg = TrainConfig(minutes=10, lr=3e-3, warmup_steps=1, batch=4, seq=WINDOW - 1, max_steps=steps)
+    sampler = head_train.IndexSampler(len(data), cfg.batch, seed=0)
+    loss_fn = functools.partial(head_train.training_loss, head, data, loss)
+    train(head, loss_fn, sampler, cfg, run_dir)
+    return head, before, head_train.heldout_metrics(head, data, loss)
+
+
+@pytest.mark.parametrize("kind", head_train.KINDS)
+def test_a_few_steps_lower_the_loss(kind, target, store, tmp_path):
+    head, before, after = train_head(kind, target, store, tmp_path)
+    assert after["loss"] < 0.8 * before["loss"]
+    assert after["ce"] < before["ce"]
+    assert not any(p.requires_grad for p in target.parameters())
+
+
+def test_only_the_heads_weights_are_trained_and_exported(target, store, tmp_path):
+    embed = target.embed_tokens.weight.clone()
+    head, _, _ = train_head("eagle", target, store, tmp_path, steps=2)
+    assert torch.equal(target.embed_tokens.weight, embed)
+    export_head(head, tmp_path / "head", torch.bfloat16)
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert config["eagle_norms"] is True and config["num_hidden_layers"] == 1
+
+
+@pytest.fixture(scope="module")
+def trained_heads(target, store, tmp_path_factory):
+    """Exported eagle and mtp heads, trained a few steps: kind -> directory."""
+    out = {}
+    for kind in ("eagle", "mtp"):
+        run = tmp_path_factory.mktemp(kind)
+        head, _, _ = train_head(kind, target, store, run)
+        export_head(head, run / "head", torch.float32)
+        out[kind] = run / "head"
+    return out
+
+
+@pytest.mark.parametrize("kind", ["eagle", "mtp"])
+async def test_validation_is_the_engines(kind, tiny_target, trained_heads, monkeypatch):
+    """The validation loads the head into the engine, and reports what the engine's own
+    usage counters show for the same requests."""
+    import stages.drafters as drafters
+
+    loaded = []
+    name = "load_mtp_head" if kind == "mtp" else "load_eagle_head"
+    original = getattr(drafters, name)
+
+    def spy(directory, model):
+        loaded.append(str(directory))
+        return original(directory, model)
+
+    monkeypatch.setattr(drafters, name, spy)
+    prompts = [list(range(1, 12)), [5, 9, 200]]
+    config = head_validate.engine_config(tiny_target, kind, trained_heads[kind], 3, 4)
+    result = await head_validate.engine_acceptance(config, prompts, 16)
+    assert loaded == [str(trained_heads[kind])]
+
+    from engine.request import SamplingParams
+
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    steps = accepted = 0
+    async with running(config) as engine:
+        for prompt in prompts:
+            usage = (await engine.generate(prompt, params))[-1].usage
+            steps, accepted = steps + usage.spec_steps, accepted + usage.accepted_tokens
+    assert result["acceptance_length"] == pytest.approx((steps + accepted) / steps)
+    counters = result["counters"]
+    assert counters["accepted_tokens"] == result["usage"]["accepted_tokens"] == accepted
+    assert sum(counters["accepted_per_position"]) == accepted
+    assert len(result["top1_given_previous"]) == 3
