@@ -343,10 +343,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="draft exactly K tokens every step instead of letting the cost model choose 0..K",
     )
     parser.add_argument(
-        "--sampled-drafts",
+        "--argmax-drafts",
         action="store_true",
-        help="draft model: sample drafts from its processed distribution instead of taking the "
-        "argmax (accepts far more at temperature > 0)",
+        help="chains: draft the drafter's argmax for sampled requests too, instead of a draw "
+        "from its distribution (which the target accepts far more often at temperature > 0)",
     )
     return parser
 
@@ -362,7 +362,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, S
             a.speculative,
             a.draft,
             a.num_speculative_tokens,
-            a.sampled_drafts,
+            not a.argmax_drafts,
             tree=a.tree,
             tree_nodes=a.tree_nodes,
             tree_depth=a.tree_depth,

@@ -121,7 +121,7 @@ def main() -> None:
         help="draft lengths whose acceptance length is measured (none: skip)",
     )
     parser.add_argument(
-        "--sampled-drafts", action="store_true", help="also the draft model drafting by sampling"
+        "--argmax-drafts", action="store_true", help="also the draft model drafting its argmax"
     )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -130,9 +130,9 @@ def main() -> None:
         method: EngineConfig(kv=kv, spec=SpecConfig(method=method, num_speculative_tokens=args.k))
         for method in ("none", "draft", "ngram")
     }
-    if args.sampled_drafts:
-        spec = SpecConfig("draft", num_speculative_tokens=args.k, sampled_drafts=True)
-        configs["draft-sampled"] = EngineConfig(kv=kv, spec=spec)
+    if args.argmax_drafts:
+        spec = SpecConfig("draft", num_speculative_tokens=args.k, sampled_drafts=False)
+        configs["draft-argmax"] = EngineConfig(kv=kv, spec=spec)
     table = asyncio.run(measure(configs, args.batches, args))
     by_k = asyncio.run(acceptance_by_k(configs["draft"], args.ks, args.new_tokens))
     print(

@@ -38,7 +38,10 @@ class SpecConfig:
     method: str = "none"
     draft: str | None = None  # draft model / head directory; None: the built-in demo's
     num_speculative_tokens: int = 4  # k: the demo pair's acceptance peaks around 4 (bench/)
-    sampled_drafts: bool = False  # draft by sampling q (kept whole) instead of the argmax
+    # chains: a sampled request's drafts are draws from the drafter's processed q (accepted
+    # with min(1, p/q), far more often than the argmax's p at temperature 1); an all-greedy
+    # step drafts the argmax either way. Trees always verify top-k children (point masses).
+    sampled_drafts: bool = True
     ngram_min: int = 1  # n-gram drafter: shortest suffix matched against the context
     ngram_max: int = 4  # longest suffix tried first
     # the cost model picks each step's k in 0..num_speculative_tokens (engine/cost.py): a fixed
@@ -74,8 +77,6 @@ class SpecConfig:
             raise ValueError(f"unknown tree {self.tree!r}; choose from {TREE_SHAPES}")
         if self.tree != "chain" and self.method != "eagle":
             raise ValueError(f"tree drafting ({self.tree}) needs the eagle method")
-        if self.tree != "chain" and self.sampled_drafts:
-            raise ValueError("tree drafts are top-k children (point masses), never sampled")
         if not 1 <= self.tree_nodes <= 64:
             raise ValueError(f"tree_nodes must be in 1..64, got {self.tree_nodes}")
         if not 1 <= self.tree_depth <= 16 or not 1 <= self.tree_topk <= 16:

@@ -190,7 +190,6 @@ def test_best_nodes_form_a_tree_with_parents_first():
     [
         (dict(tree="wide"), "unknown tree"),
         (dict(method="draft", tree="fixed"), "needs the eagle method"),
-        (dict(tree="fixed", sampled_drafts=True), "never sampled"),
         (dict(tree="dynamic", tree_nodes=30, tree_depth=2, tree_topk=3), "12 candidates"),
         (dict(tree="fixed", tree_paths=((0,), (1, 0))), "lacks its parent"),
     ],

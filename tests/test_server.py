@@ -174,7 +174,10 @@ class FakeEngine:
 
 
 def real_config(checkpoint: Path, **overrides: Any) -> EngineConfig:
-    spec = SpecConfig(method="draft", draft=str(checkpoint), num_speculative_tokens=3)
+    # a fixed k: a drafter as costly as its target never pays, so the cost model would not draft
+    spec = SpecConfig(
+        method="draft", draft=str(checkpoint), num_speculative_tokens=3, adaptive_k=False
+    )
     settings: dict[str, Any] = dict(
         model=str(checkpoint),
         spec=spec,
