@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import sys
 import time
 from collections.abc import Sequence
@@ -52,31 +51,15 @@ from engine.config import EngineConfig, KVConfig, SpecConfig
 from engine.engine import DEMO_DIR
 from models.tokenizer import Tokenizer
 
-ADAPTIVE_FIELD = "adaptive_k"  # SpecConfig's switch for the cost model that picks k per step
 MIN_REPEATS = 5
 
 
 # ---- methods -> configurations ----
 
 
-def spec_fields() -> set[str]:
-    return {f.name for f in dataclasses.fields(SpecConfig)}
-
-
 def k_mode_fields(k_mode: str) -> dict[str, Any]:
-    """SpecConfig overrides that pin k (fixed) or leave the engine's choice (engine)."""
-    names = spec_fields()
-    if k_mode == "engine":
-        return {}
-    if ADAPTIVE_FIELD in names:
-        return {ADAPTIVE_FIELD: False}
-    other = sorted(n for n in names if "adaptive" in n)
-    if other:
-        raise MethodUnavailable(
-            f"SpecConfig has {other} but no {ADAPTIVE_FIELD!r}: fixed k cannot be asked for; "
-            "update bench.speed.ADAPTIVE_FIELD"
-        )
-    return {}  # no cost model: k is fixed anyway
+    """SpecConfig overrides that pin k (fixed) or leave the cost model's choice (engine)."""
+    return {"adaptive_k": False} if k_mode == "fixed" else {}
 
 
 def spec_config(method: Method, args: argparse.Namespace) -> SpecConfig:

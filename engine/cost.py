@@ -2,18 +2,19 @@
 
 A step with draft length k over B sequences costs about
 
-    time(B, k) = verify(B * (k + 1)) + k * draft(B)
+    time(B, k) = verify(B * (k + 1)) + max(k, 1) * draft(B)
 
-(the drafter's k - 1 chained forwards and its refill, each over B tokens; `verify` includes
-the target's logits). Both curves are measured at start-up by timing the models' forwards at
-a few token counts (or loaded from a calibration file) and interpolated; each (batch bucket,
-k) keeps a correction factor learned from the steps' measured device time, which brings in
-what the forwards alone miss (attention over the context, sampling, copies).
+(the drafter's k - 1 chained forwards and its refill, each over B tokens, the refill running
+even at k = 0 so that the drafter keeps up; `verify` includes the target's logits). Both
+curves are measured at start-up by timing the models' forwards at a few token counts (or
+loaded from a calibration file) and interpolated; each batch-size bucket keeps a correction
+factor learned from the steps' measured device time, which brings in what the forwards alone
+miss (attention over the context, sampling, copies).
 
 Request i, whose drafts are each accepted with probability a_i and which may draft n_i(k) <= k
 tokens, emits in expectation (1 - a_i^(n_i + 1)) / (1 - a_i) tokens a step. The chosen k
 maximises sum_i E_i / time(B, k) over 0..k_max; k = 0 turns speculation off for the step
-(the drafter still refills, so it keeps up). a_i is estimated per request from the accepted
+(the drafter still refills). a_i is estimated per request from the accepted
 counts with exponential forgetting, starting from a prior.
 """
 
@@ -33,8 +34,8 @@ from models.attention import CausalAttention
 
 PRIOR_RATE = 0.6  # acceptance assumed for a new request (the demo pair's greedy is ~0.65)
 PRIOR_WEIGHT = 4.0  # ... worth this many drafted positions
-FORGET = 0.9  # per step: recent steps count more (acceptance drifts with the text)
-FACTOR_SMOOTHING = 0.2  # weight of a new measurement in a correction factor
+FORGET = 0.95  # per step: recent steps count more (acceptance drifts with the text)
+FACTOR_SMOOTHING = 0.1  # weight of a new measurement in a correction factor
 
 
 @dataclass
@@ -121,12 +122,17 @@ def expected_tokens(rate: float, drafts: int) -> float:
 class CostModel:
     calibration: Calibration
     k_max: int
-    factors: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, k) -> x
+    # batch bucket -> measured / predicted step time; one factor for every k, so that a noisy
+    # step cannot steer the choice between draft lengths, which the curves alone decide
+    factors: dict[int, float] = field(default_factory=dict)
+
+    def forwards_seconds(self, batch: int, k: int) -> float:
+        """The step's model forwards, from the curves alone."""
+        cal = self.calibration
+        return cal.verify(batch * (k + 1)) + max(k, 1) * cal.draft(batch)
 
     def step_seconds(self, batch: int, k: int) -> float:
-        cal = self.calibration
-        forwards = cal.verify(batch * (k + 1)) + k * cal.draft(batch)
-        return forwards * self.factors.get((_bucket(batch), k), 1.0)
+        return self.forwards_seconds(batch, k) * self.factors.get(_bucket(batch), 1.0)
 
     def choose(self, rates: list[float], caps: list[int]) -> int:
         """The k in 0..k_max of the most expected tokens per second; caps [B]: each request's
@@ -142,11 +148,9 @@ class CostModel:
 
     def observe(self, batch: int, k: int, seconds: float) -> None:
         """A step of `batch` sequences and draft length k took `seconds` of device time."""
-        cal = self.calibration
-        predicted = cal.verify(batch * (k + 1)) + k * cal.draft(batch)
-        key = (_bucket(batch), k)
+        key = _bucket(batch)
         old = self.factors.get(key, 1.0)
-        ratio = seconds / max(predicted, 1e-9)
+        ratio = seconds / max(self.forwards_seconds(batch, k), 1e-9)
         self.factors[key] = (1 - FACTOR_SMOOTHING) * old + FACTOR_SMOOTHING * ratio
 
 

@@ -83,13 +83,11 @@ def test_request_groups_wrap_over_the_prompts():
     assert speed.request_groups(prompts, 4, 1) == [[[1], [2], [3], [1]]]
 
 
-def test_fixed_k_is_asked_for_or_refused(monkeypatch):
+def test_fixed_k_turns_the_cost_model_off():
     assert speed.k_mode_fields("engine") == {}
-    monkeypatch.setattr(speed, "spec_fields", lambda: {"method", speed.ADAPTIVE_FIELD})
-    assert speed.k_mode_fields("fixed") == {speed.ADAPTIVE_FIELD: False}
-    monkeypatch.setattr(speed, "spec_fields", lambda: {"method", "adaptive_draft_length"})
-    with pytest.raises(runners.MethodUnavailable, match="adaptive_draft_length"):
-        speed.k_mode_fields("fixed")
+    args = speed.parse_args(["--k", "3", "--k-mode", "fixed"])
+    spec = speed.spec_config(runners.Method("draft", "fixed"), args)
+    assert not spec.adaptive_k and spec.num_speculative_tokens == 3
 
 
 def test_spec_configs_of_the_methods():
