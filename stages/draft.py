@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -63,6 +64,29 @@ def choose_drafts(
         return logits.argmax(-1), None
     q = process_logits(logits[:, None].float(), st, None, None)[:, 0]
     return sample(q, st.seeds, positions, SALT_DRAFT), q
+
+
+def draft_chain(
+    plan: Plan,
+    dev: DevicePlan,
+    logits: torch.Tensor,  # [B, V] the drafter's deferred logits for position base + 1
+    state: Any,
+    step: Callable[[torch.Tensor, Any, int], tuple[torch.Tensor, Any]],
+    sampled: bool,
+) -> Drafts:
+    """plan.k draft tokens, each chosen from the drafter's current logits; between tokens,
+    `step(token [B], state, j)` runs the drafter over draft j and returns its next logits and
+    state (what a head feeds back: its hidden state; nothing for a draft model)."""
+    tokens: list[torch.Tensor] = []
+    probs: list[torch.Tensor] = []
+    for j in range(plan.k):
+        token, q = choose_drafts(logits, plan.sampling, dev.base + 1 + j, sampled)
+        tokens.append(token)
+        if q is not None:
+            probs.append(q)
+        if j + 1 < plan.k:
+            logits, state = step(token, state, j)
+    return Drafts(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None)
 
 
 def tree_ancestors(parents: torch.Tensor, depth: int) -> torch.Tensor:

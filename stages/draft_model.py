@@ -13,7 +13,7 @@ from engine.scheduler import Sequence
 from kv.cache import KVCache
 from models.attention import AttentionMetadata, CausalAttention, TorchPagedAttention
 from models.llama import LlamaModel
-from stages.draft import Drafts, TargetOutput, Verdict, choose_drafts
+from stages.draft import Drafts, TargetOutput, Verdict, draft_chain
 from stages.plan import DevicePlan, Plan, drafter_metadata
 
 
@@ -40,23 +40,12 @@ class DraftModelDrafter:
             self._catch_up(dev, emit, out.input_ids[dev.logits_index[emit]], verdict, zero)
 
     def propose(self, plan: Plan, dev: DevicePlan) -> Drafts:
-        logits = self.deferred[dev.rows]  # [B, V]
-        tokens: list[torch.Tensor] = []
-        probs: list[torch.Tensor] = []
-        for j in range(plan.k):
-            token, q = choose_drafts(logits, plan.sampling, dev.base + 1 + j, self.sampled)
-            tokens.append(token)
-            if q is not None:
-                probs.append(q)
-            if j + 1 < plan.k:
-                logits = self._forward(
-                    dev,
-                    None,
-                    token[:, None],
-                    (dev.base + 1 + j)[:, None],
-                    dev.tail_slots[:, j + 1 : j + 2],
-                )[:, 0]
-        return Drafts(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None)
+        def step(token: torch.Tensor, state: None, j: int) -> tuple[torch.Tensor, None]:
+            position = (dev.base + 1 + j)[:, None]
+            slot = dev.tail_slots[:, j + 1 : j + 2]
+            return self._forward(dev, None, token[:, None], position, slot)[:, 0], None
+
+        return draft_chain(plan, dev, self.deferred[dev.rows], None, step, self.sampled)
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
         inputs = out.input_ids.view(plan.batch_size, plan.width)

@@ -18,7 +18,7 @@ from engine.scheduler import Sequence
 from kv.cache import KVCache
 from models.attention import AttentionMetadata, TorchPagedAttention
 from models.eagle import EagleHead
-from stages.draft import Drafts, TargetOutput, Verdict, choose_drafts, probe_head, tree_drafts
+from stages.draft import Drafts, TargetOutput, Verdict, draft_chain, probe_head, tree_drafts
 from stages.plan import DevicePlan, Plan, drafter_metadata
 from stages.refill import move_tree_path
 
@@ -75,27 +75,16 @@ class EagleDrafter:
             self._defer(dev, emit, sampled, feature, base, dev.tail_slots[emit, :1], None)
 
     def propose(self, plan: Plan, dev: DevicePlan) -> Drafts:
+
+        def step(token: torch.Tensor, feature: torch.Tensor, j: int):
+            # pair (d_{j+1}, the head's guess of f_{base+j}) at position base + j
+            position, slot = (dev.base + j)[:, None], dev.tail_slots[:, j : j + 1]
+            feature = self._forward(dev, None, token[:, None], feature[:, None], position, slot)
+            return self.head.logits(feature[:, 0]), feature[:, 0]
+
         logits = self.deferred_logits[dev.rows]  # [B, V]
         feature = self.deferred_hidden[dev.rows]  # [B, H]
-        tokens: list[torch.Tensor] = []
-        probs: list[torch.Tensor] = []
-        for j in range(plan.k):
-            token, q = choose_drafts(logits, plan.sampling, dev.base + 1 + j, self.sampled)
-            tokens.append(token)
-            if q is not None:
-                probs.append(q)
-            if j + 1 < plan.k:
-                # pair (d_{j+1}, the head's guess of f_{base+j}) at position base + j
-                feature = self._forward(
-                    dev,
-                    None,
-                    token[:, None],
-                    feature[:, None],
-                    (dev.base + j)[:, None],
-                    dev.tail_slots[:, j : j + 1],
-                )[:, 0]
-                logits = self.head.logits(feature)
-        return Drafts(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None)
+        return draft_chain(plan, dev, logits, feature, step, self.sampled)
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
         """Pairs (emitted token j, target feature at base + j) at positions base + j, for all

@@ -20,7 +20,7 @@ from engine.scheduler import Sequence
 from kv.cache import KVCache
 from models.attention import AttentionMetadata, TorchPagedAttention
 from models.mtp import MTPHead
-from stages.draft import Drafts, TargetOutput, Verdict, choose_drafts, probe_head
+from stages.draft import Drafts, TargetOutput, Verdict, draft_chain, probe_head
 from stages.plan import DevicePlan, Plan, drafter_metadata
 
 
@@ -69,26 +69,15 @@ class MTPDrafter:
     def propose(self, plan: Plan, dev: DevicePlan) -> Drafts:
         """Token 1 from the deferred logits; token j + 1 from the head over (token j, the head's
         own hidden state at the previous position)."""
-        logits = self.logits[dev.rows]  # [B, V]
-        hidden = self.hidden[dev.rows]  # [B, H]
-        tokens: list[torch.Tensor] = []
-        probs: list[torch.Tensor] = []
-        for j in range(plan.k):
-            token, q = choose_drafts(logits, plan.sampling, dev.base + 1 + j, self.sampled)
-            tokens.append(token)
-            if q is not None:
-                probs.append(q)
-            if j + 1 < plan.k:
-                hidden = self._forward(
-                    dev,
-                    None,
-                    token[:, None],
-                    hidden[:, None],
-                    (dev.base + 1 + j)[:, None],
-                    dev.tail_slots[:, j + 1 : j + 2],
-                )[:, 0]
-                logits = self.head.logits(hidden)
-        return Drafts(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None)
+
+        def step(token: torch.Tensor, hidden: torch.Tensor, j: int):
+            position = (dev.base + 1 + j)[:, None]
+            slot = dev.tail_slots[:, j + 1 : j + 2]
+            hidden = self._forward(dev, None, token[:, None], hidden[:, None], position, slot)
+            return self.head.logits(hidden[:, 0]), hidden[:, 0]
+
+        logits, hidden = self.logits[dev.rows], self.hidden[dev.rows]  # [B, V], [B, H]
+        return draft_chain(plan, dev, logits, hidden, step, self.sampled)
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
         """Rewrite the head's KV over the committed span with the target's hidden states.
