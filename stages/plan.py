@@ -120,8 +120,9 @@ class HostBuffers:
         self.uploads: list[Event | None] = [None, None]
         self.device = device
 
-    async def upload(self, step: int, values: list[int], stream: Stream) -> Event:
-        """Copy `values` to the device through buffer step % 2; the event's value is the copy."""
+    async def upload(self, step: int, values: list[int], stream: Stream | None) -> Event:
+        """Copy `values` to the device through buffer step % 2; the event's value is the copy.
+        Without a stream (a CPU device) the copy is made here, at once."""
         i = step % 2
         previous = self.uploads[i]
         if previous is not None:
@@ -132,6 +133,8 @@ class HostBuffers:
         host = self.buffers[i]
         host[: len(values)] = torch.tensor(values, dtype=torch.int32)
         n, device = len(values), self.device
+        if stream is None:
+            return Event.completed(host[:n].clone())
         event = stream.submit(lambda: host[:n].to(device, non_blocking=True).clone())
         self.uploads[i] = event
         return event

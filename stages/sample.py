@@ -257,11 +257,16 @@ def sample(
     seeds: torch.Tensor,  # [B] int64
     positions: torch.Tensor,  # [B] int64, absolute position of the token drawn
     salt: int = SALT_SAMPLE,
+    greedy: bool = False,
 ) -> torch.Tensor:
     """[B] int64: one draw per row by inverse CDF, the first index whose cdf exceeds u * total.
 
     Only tokens with positive probability can come out: u * total is kept below the total, and
-    if cumsum's rounding still lands on a zero-probability token the row takes its argmax."""
+    if cumsum's rounding still lands on a zero-probability token the row takes its argmax.
+    `greedy` says every row has a single positive entry (an all-greedy batch): the draw is then
+    that entry, found without the uniforms and the cumsum."""
+    if greedy:
+        return probs.argmax(-1)
     vocab = probs.shape[-1]
     cdf = probs.cumsum(-1)
     total = cdf[:, -1:]
@@ -279,6 +284,7 @@ def chain_verify(
     num_drafts: torch.Tensor,  # [B] int64, k_r <= k; draft positions past k_r are ignored
     seeds: torch.Tensor,  # [B] int64
     positions: torch.Tensor,  # [B] int64, absolute position of the first token emitted
+    greedy: bool = False,  # every row of target_probs is one-hot (see `sample`)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chain acceptance rule. Returns (tokens [B, k+1] int64, -1 padded; num_accepted [B]).
 
@@ -298,7 +304,9 @@ def chain_verify(
     drafts = draft_tokens.clamp(min=0)
     if draft_probs is None or k == 0:
         pos = (positions[:, None] + steps).reshape(-1)
-        drawn = sample(target_probs.reshape(-1, vocab), seeds.repeat_interleave(width), pos)
+        drawn = sample(
+            target_probs.reshape(-1, vocab), seeds.repeat_interleave(width), pos, greedy=greedy
+        )
         drawn = drawn.view(batch, width)
         num_accepted = _run_length((drawn[:, :k] == drafts) & in_draft)
         return torch.where(steps <= num_accepted[:, None], drawn, -1), num_accepted
@@ -315,7 +323,7 @@ def chain_verify(
     residual = (p - q).clamp(min=0)
     # p == q leaves no residual; a rejection then has probability 0 up to rounding
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-    last = sample(residual, seeds, positions + num_accepted)
+    last = sample(residual, seeds, positions + num_accepted, greedy=greedy)
     tokens = torch.cat([drafts, last[:, None]], 1)
     tokens = torch.where(steps < num_accepted[:, None], tokens, -1)
     return tokens.scatter(1, num_accepted[:, None], last[:, None]), num_accepted
@@ -333,6 +341,7 @@ def tree_verify(
     seeds: torch.Tensor,  # [B] int64
     positions: torch.Tensor,  # [B] int64, absolute position of the first token emitted
     depth: int | None = None,  # a bound on the tree's depth, known to the caller (no sync)
+    greedy: bool = False,  # every row of target_probs is one-hot (see `sample`)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The tree acceptance rule, children as point masses.
 
@@ -351,7 +360,7 @@ def tree_verify(
     tokens = torch.full((batch, depth + 1), -1, dtype=torch.int64, device=rows.device)
     path = torch.full((batch, depth), -1, dtype=torch.int64, device=rows.device)
     for d in range(depth + 1):
-        drawn = sample(target_probs[rows, current + 1], seeds, positions + d)
+        drawn = sample(target_probs[rows, current + 1], seeds, positions + d, greedy=greedy)
         tokens[:, d] = torch.where(active, drawn, -1)
         if d == depth:
             break

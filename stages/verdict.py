@@ -37,10 +37,10 @@ class SampleStage:
         probs = process_logits(out.logits, st, penalties, draft_tokens)  # [B, W, V]
         if plan.k:
             tokens, accepted = chain_verify(
-                probs, drafts.tokens, drafts.probs, dev.num_drafts, st.seeds, first
+                probs, drafts.tokens, drafts.probs, dev.num_drafts, st.seeds, first, st.all_greedy
             )
         else:
-            tokens = sample(probs[:, 0], st.seeds, first)[:, None]
+            tokens = sample(probs[:, 0], st.seeds, first, greedy=st.all_greedy)[:, None]
             accepted = torch.zeros_like(first)
         emitted = torch.where(dev.emits, accepted + 1, 0)
         verdict = Verdict(tokens, accepted, emitted)
@@ -60,8 +60,9 @@ class SampleStage:
         st = plan.sampling
         probs = _tree_probs(out.logits, st, penalties, drafts)
         assert drafts.parents is not None
+        first = dev.base + 1
         tokens, accepted, path = tree_verify(
-            probs, drafts.tokens, drafts.parents, st.seeds, dev.base + 1, drafts.depth
+            probs, drafts.tokens, drafts.parents, st.seeds, first, drafts.depth, st.all_greedy
         )
         b, w, v = out.logits.shape
         tokens = F.pad(tokens, (0, w - tokens.shape[1]), value=-1)

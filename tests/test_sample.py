@@ -569,3 +569,30 @@ def test_tree_follows_p():
     tokens, accepted, path = tree_verify(target, node_tokens, parents, seeds, positions)
     assert tokens.shape == (N, 3) and path.shape == (N, 2)
     assert_first_two_follow_p(tokens, accepted, seeds, positions)
+
+
+def test_greedy_flag_draws_what_the_uniforms_draw_from_one_hot_rows():
+    # all-greedy batches skip the uniforms: same tokens, same acceptance, for every rule
+    batch, k, vocab = 200, 3, 7
+    gen = torch.Generator().manual_seed(11)
+    target = one_hot(torch.randint(0, vocab, (batch, k + 1), generator=gen).tolist(), vocab)
+    drafts = torch.randint(0, vocab, (batch, k), generator=gen)
+    drafts[: batch // 2] = target[: batch // 2, :k].argmax(-1)  # half the rows fully accepted
+    q = torch.softmax(torch.randn(batch, k, vocab, generator=gen), -1)
+    seeds, positions, caps = torch.arange(batch), torch.full((batch,), 30), torch.full((batch,), k)
+    assert torch.equal(
+        sample(target[:, 0], seeds, positions, greedy=True), sample(target[:, 0], seeds, positions)
+    )
+    for draft_probs in (None, q):
+        plain = chain_verify(target, drafts, draft_probs, caps, seeds, positions)
+        fast = chain_verify(target, drafts, draft_probs, caps, seeds, positions, greedy=True)
+        assert torch.equal(plain[0], fast[0]) and torch.equal(plain[1], fast[1])
+        assert 0 < plain[1].float().mean() < k
+    node_tokens, parents = tree_fixture()
+    argmaxes = torch.randint(0, 8, (batch, 7), generator=gen)
+    argmaxes[: batch // 2, :2] = torch.tensor([5, 4])  # root -> node 0 -> node 3 accepted
+    args = (one_hot(argmaxes.tolist(), 8), node_tokens.repeat(batch, 1), parents.repeat(batch, 1))
+    plain = tree_verify(*args, seeds, positions)
+    fast = tree_verify(*args, seeds, positions, greedy=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, fast, strict=True))
+    assert plain[1][: batch // 2].ge(2).all()
