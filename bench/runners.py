@@ -19,7 +19,6 @@ import math
 import re
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ import torch
 
 from bench.common import median_seconds, paged_attention, paged_tables
 from engine.config import EngineConfig, SpecConfig
+from engine.device import Stream
 from engine.engine import AsyncEngine
 from engine.request import FinishReason, SamplingParams
 from engine.trace import Tracer
@@ -264,15 +264,15 @@ def time_forward(
 
 class HFRunner:
     """transformers' `generate` at batch 1: plain, assisted by the draft model, or prompt
-    lookup; k tokens proposed a step, float32. It runs on a worker thread of its own, as the
-    engine's forwards do."""
+    lookup; k tokens proposed a step, float32. It runs on the thread that runs the engines'
+    forwards (a CPU stream: engine/device.py)."""
 
     def __init__(self, method: Method, target: Any, assistant: Any, k: int, eos: int):
         self.method, self.target, self.assistant = method, target, assistant
         self.k, self.eos = k, eos
         self.forwards = 0  # the target's forward calls in the current generate
         target.register_forward_hook(self._count)
-        self.thread = ThreadPoolExecutor(1, thread_name_prefix="hf")
+        self.stream = Stream(torch.device("cpu"), "hf")
 
     def _count(self, *_: Any) -> None:
         self.forwards += 1
@@ -281,16 +281,14 @@ class HFRunner:
         pass  # nothing to start: the models are loaded; kept for the runners' common shape
 
     async def stop(self) -> None:
-        self.thread.shutdown()
+        self.stream.close()
 
     async def run(
         self, groups: list[list[list[int]]], temperature: float, seed: int, max_tokens: int
     ) -> Sample:
         sample = Sample()
-        loop = asyncio.get_running_loop()
         for i, (ids,) in enumerate(groups):
-            args = (ids, temperature, seed + i, max_tokens, sample)
-            await loop.run_in_executor(self.thread, self._generate, *args)
+            await self.stream.submit(self._generate, ids, temperature, seed + i, max_tokens, sample)
         return sample
 
     def _generate(

@@ -48,6 +48,7 @@ from bench.runners import (
     hf_models,
 )
 from engine.config import EngineConfig, KVConfig, SpecConfig
+from engine.device import run_on_device
 from engine.engine import DEMO_DIR
 from models.tokenizer import Tokenizer
 
@@ -111,7 +112,8 @@ def build_runners(
     hf_methods = [m for m in methods if m.is_hf]
     if hf_methods:
         target, draft = target_dir(args), Path(args.draft_model or DEMO_DIR / "draft")
-        target_model, assistant = hf_models(target, draft, args.k)
+        cpu = torch.device("cpu")  # loaded on the thread that runs them (engine/device.py)
+        target_model, assistant = run_on_device(cpu, hf_models, target, draft, args.k)
         for m in hf_methods:
             runners[m] = HFRunner(m, target_model, assistant, args.k, eos_id(target))
     return {m: runners[m] for m in methods}  # in the order asked for

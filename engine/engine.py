@@ -25,7 +25,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cost import build_cost_model
-from engine.device import Event, Stream
+from engine.device import Event, Stream, run_on_device
 from engine.metrics import EngineMetrics
 from engine.output import OutputStream
 from engine.request import (
@@ -92,6 +92,19 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.device)
+        run_on_device(self.device, self._build)
+        self.metrics = EngineMetrics(self.k)
+        self._update_gauges()
+        self.tracer = Tracer(config.trace_file)
+        self.outputs: dict[str, OutputStream] = {}
+        self.streams: dict[str, RequestStream] = {}
+        self._ids = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        self._fault: Callable[[str, Plan], None] | None = None  # tests inject stage failures
+
+    def _build(self) -> None:
+        """Models, caches, stages and the cost model's calibration (on the device's thread)."""
+        config = self.config
         dtype = getattr(torch, config.dtype)
         model_dir = Path(config.model) if config.model else DEMO_DIR / "target"
         self.model = load_model(model_dir, dtype, self.device)
@@ -129,14 +142,6 @@ class AsyncEngine:
             self.cost = build_cost_model(
                 self.model, self.drafter, config.max_running, self.k, spec.calibration
             )
-        self.metrics = EngineMetrics(self.k)
-        self._update_gauges()
-        self.tracer = Tracer(config.trace_file)
-        self.outputs: dict[str, OutputStream] = {}
-        self.streams: dict[str, RequestStream] = {}
-        self._ids = itertools.count()
-        self._tasks: list[asyncio.Task] = []
-        self._fault: Callable[[str, Plan], None] | None = None  # tests inject stage failures
 
     def _pages_for(self, memory_bytes: int, dtype: torch.dtype) -> int:
         cfg = self.model.config

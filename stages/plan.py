@@ -116,7 +116,9 @@ class HostBuffers:
 
     def __init__(self, device: torch.device, size: int = 1 << 16):
         pin = device.type == "cuda"
-        self.buffers = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        # empty, not zeros: filling is parallel work, which on the CPU belongs to the compute
+        # thread alone (engine/device.py); every upload writes what it copies
+        self.buffers = [torch.empty(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self.uploads: list[Event | None] = [None, None]
         self.device = device
 
@@ -129,7 +131,7 @@ class HostBuffers:
             await previous  # its copy must have read the buffer before it is rewritten
         if len(values) > self.buffers[i].numel():
             pin = self.device.type == "cuda"
-            self.buffers[i] = torch.zeros(2 * len(values), dtype=torch.int32, pin_memory=pin)
+            self.buffers[i] = torch.empty(2 * len(values), dtype=torch.int32, pin_memory=pin)
         host = self.buffers[i]
         host[: len(values)] = torch.tensor(values, dtype=torch.int32)
         n, device = len(values), self.device
