@@ -3,8 +3,9 @@ weights prepacked for oneDNN on the CPU.
 
 Why: a verify pass multiplies M = k + 1 rows per sequence by every weight. On the CPU, the
 default (MKL) product costs 2-3x more at 2 <= M <= 8 than at M = 1 although the weights are
-read once either way, while oneDNN's prepacked path stays nearly flat up to M = 16 and is no
-slower at M = 1 over a whole step (`python -m bench.verify_cost`). Fusing q|k|v and gate|up
+read once either way, while oneDNN's prepacked path stays nearly flat up to M = 16
+(`python -m bench.verify_cost`). A single row still goes to MKL: a demo decode step at batch 1
+ran 10% faster that way. Fusing q|k|v and gate|up
 also halves the calls, each of which costs tens of microseconds at the demo's shapes.
 Training never uses these (the prepacked path has no backward).
 """
@@ -52,7 +53,7 @@ class PackedLinear(nn.Module):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
+        if self.packed is None or x.shape[0] == 1:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(
             x.contiguous(), self.packed, self.bias, "none", [], ""
