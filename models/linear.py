@@ -5,8 +5,8 @@ Why: a verify pass multiplies M = k + 1 rows per sequence by every weight. On th
 default (MKL) product costs 2-3x more at 2 <= M <= 8 than at M = 1 although the weights are
 read once either way, while oneDNN's prepacked path stays nearly flat up to M = 16
 (`python -m bench.verify_cost`). A single row still goes to MKL: a demo decode step at batch 1
-ran 10% faster that way. Fusing q|k|v and gate|up
-also halves the calls, each of which costs tens of microseconds at the demo's shapes.
+ran 10% faster that way. Fusing q|k|v and gate|up also halves the calls, each of which costs
+tens of microseconds at the demo's shapes.
 Training never uses these (the prepacked path has no backward).
 """
 
