@@ -58,8 +58,8 @@ DEMO_DIR = Path(__file__).resolve().parent.parent / "models" / "demo"
 # How long a thread may hold the GIL while another waits for it. The compute thread re-takes
 # the GIL after every torch call (hundreds a step, microseconds each); at Python's default of
 # 5 ms, each time the event loop runs Python meanwhile, the device work can stall for up to
-# that long. In paired runs of the demo on a 2-core CPU, 0.2 ms made decode steps up to 15%
-# faster (about as large as that machine's run-to-run noise).
+# that long. In three paired runs of the demo on a 2-core CPU, 0.2 ms was 15% faster twice and
+# 7% slower once: that machine's run-to-run noise is as large, so the gain is not established.
 SWITCH_INTERVAL_S = 2e-4
 
 
