@@ -160,13 +160,4 @@ def run_on_device(device: torch.device, fn: Callable[..., Any], *args: Any) -> A
     and calibration, so that on the CPU they too run on the one compute thread."""
     if device.type != "cpu" or threading.current_thread() is cpu_thread().thread:
         return fn(*args)
-    future: Future = Future()
-
-    def work() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as error:
-            future.set_exception(error)
-
-    cpu_thread().put(work)
-    return future.result()
+    return Stream(device, "setup").submit(fn, *args).future.result()

@@ -331,7 +331,8 @@ class AsyncEngine:
     async def _upload(self, plan: Plan) -> None:
         flat, layout = pack(plan.fields)
         copied = await self.host_buffers.upload(plan.step, flat, self.h2d)
-        self.compute.wait(copied)
+        if not copied.done():
+            self.compute.wait(copied)
         unpacked = partial(unpack, uploaded=copied, layout=layout)
         plan.uploaded = self.compute.submit(self._traced, "upload", unpacked, plan)
 

@@ -112,31 +112,29 @@ def _lengths(indptr: list[int]) -> list[int]:
 
 
 class HostBuffers:
-    """Two int32 host buffers used in turn; each is reused only after its last upload."""
+    """Two pinned int32 host buffers used in turn, each reused only after its last upload. On
+    the CPU there is nothing to stage: an upload is the tensor itself."""
 
     def __init__(self, device: torch.device, size: int = 1 << 16):
-        pin = device.type == "cuda"
-        # empty, not zeros: filling is parallel work, which on the CPU belongs to the compute
-        # thread alone (engine/device.py); every upload writes what it copies
-        self.buffers = [torch.empty(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        self.uploads: list[Event | None] = [None, None]
         self.device = device
+        count = 2 if device.type == "cuda" else 0  # the CPU stages nothing
+        self.buffers = [torch.empty(size, dtype=torch.int32, pin_memory=True) for _ in range(count)]
+        self.uploads: list[Event | None] = [None, None]
 
     async def upload(self, step: int, values: list[int], stream: Stream | None) -> Event:
         """Copy `values` to the device through buffer step % 2; the event's value is the copy.
-        Without a stream (a CPU device) the copy is made here, at once."""
+        Without a stream (a CPU device) the tensor is made here, at once."""
+        if stream is None:
+            return Event.completed(torch.tensor(values, dtype=torch.int32))
         i = step % 2
         previous = self.uploads[i]
         if previous is not None:
             await previous  # its copy must have read the buffer before it is rewritten
         if len(values) > self.buffers[i].numel():
-            pin = self.device.type == "cuda"
-            self.buffers[i] = torch.empty(2 * len(values), dtype=torch.int32, pin_memory=pin)
+            self.buffers[i] = torch.empty(2 * len(values), dtype=torch.int32, pin_memory=True)
         host = self.buffers[i]
         host[: len(values)] = torch.tensor(values, dtype=torch.int32)
         n, device = len(values), self.device
-        if stream is None:
-            return Event.completed(host[:n].clone())
         event = stream.submit(lambda: host[:n].to(device, non_blocking=True).clone())
         self.uploads[i] = event
         return event
