@@ -13,7 +13,9 @@ length of each step is the cost model's choice (engine/cost.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import operator
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -182,6 +184,7 @@ class AsyncEngine:
         self._last_publish = time.monotonic()
         self._published_cond = asyncio.Condition()
         self._completed: dict[int, Event] = {}  # step -> end of its device work
+        self._sampling_for: list[Request] = []  # the requests `_sampling` was built for
         queues = [asyncio.Queue[Plan]() for _ in range(5)]
         stages = [self._draft, self._verify, self._sample, self._refill]
         self._tasks = [asyncio.create_task(self._plan_loop(queues[0]))]
@@ -301,9 +304,7 @@ class AsyncEngine:
             [int(self.no_sync and s.request.inflight > 0) for s in batch.seqs],
         )
         params = [s.request.params for s in batch.seqs]
-        plan.sampling = SamplingTensors.build(
-            params, [s.request.seed for s in batch.seqs], self.device
-        )
+        plan.sampling = self._sampling_tensors(batch.seqs)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         plan.top_logprobs = max(wanted) if wanted else None
         for seq, chunk, emits in zip(batch.seqs, batch.chunks, plan.emits, strict=True):
@@ -321,6 +322,17 @@ class AsyncEngine:
             k=k,
         )
         return plan
+
+    def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        """The batch's sampling tensors; the previous step's when it ran the same requests in
+        the same order (decoding steps mostly do: building them is a fifth of a step's host
+        time at batch 1)."""
+        requests, last = [s.request for s in seqs], self._sampling_for
+        if len(requests) != len(last) or not all(map(operator.is_, requests, last)):
+            params, seeds = [r.params for r in requests], [r.seed for r in requests]
+            self._sampling = SamplingTensors.build(params, seeds, self.device)
+            self._sampling_for = requests
+        return self._sampling
 
     def _draft_length(self, seqs: list[Sequence]) -> int:
         if self.cost is None:
@@ -400,7 +412,7 @@ class AsyncEngine:
                 self._publish(plan, host)
             if self.config.pipelined:  # the next plan may run while refill does
                 await self._mark_published(plan.step)
-            await asyncio.wait([asyncio.wrap_future(plan.events["refill"].future)])
+            await _settled(plan.events["refill"])
             if self.cost is not None and plan.kind == "decode":
                 self.cost.observe(plan.batch_size, plan.k, plan.device_seconds)
             self._release_completed()
@@ -463,7 +475,6 @@ class AsyncEngine:
             now - self._last_publish, plan.k if plan.kind == "decode" else None
         )
         self._last_publish = now
-        self._update_gauges()
 
     def _observe_latency(self, output: OutputStream, num_tokens: int, now: float) -> None:
         self.metrics.add_tokens(generated=num_tokens)
@@ -533,3 +544,10 @@ class AsyncEngine:
                 break
             self.allocator.release(step)
             del self._completed[step]
+
+
+async def _settled(event: Event) -> None:
+    """Until the event's work has ended, whether it succeeded or failed (a failure reaches the
+    requests through the step that depends on it)."""
+    with contextlib.suppress(Exception):
+        await asyncio.wrap_future(event.future)
