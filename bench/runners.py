@@ -48,7 +48,7 @@ ENGINE_METHODS = (
 HF_METHODS = ("hf-generate", "hf-assisted", "hf-prompt-lookup")
 PAGE_SIZE = 16
 TRACE_KEEP = 1 << 20  # step-timeline records kept in memory (a cell clears them)
-FORWARD_REPEATS = 5  # timed calls per forward measured alone, per cell and repeat (median)
+FORWARD_REPEATS = 9  # timed calls per forward measured alone, per cell and repeat (median)
 
 
 class MethodUnavailable(RuntimeError):
@@ -86,6 +86,16 @@ class Sample:
     per_pos: list[float] = field(default_factory=list)  # drafts accepted through position i
     verify_s: float = math.nan  # the verify forward alone (target over the verify width)
     drafting_s: float = 0.0  # a step's drafter forwards alone (chain: mean k of one token)
+
+    @property
+    def step_s(self) -> float:
+        """The mean full-batch decode step (NaN without one)."""
+        return statistics.fmean(self.steps) if self.steps else math.nan
+
+    @property
+    def forwards_s(self) -> float:
+        """A step's forwards timed alone: the drafter's and the verify forward."""
+        return self.drafting_s + self.verify_s
 
 
 # ---- our engine ----

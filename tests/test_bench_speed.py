@@ -18,7 +18,7 @@ def test_efficiency_is_forward_share_of_a_step():
     # tau 3, k 4 drafter forwards of 1 ms and a 6 ms verify: 10 ms of forwards in a 12.5 ms
     # step; a plain step takes 10 ms
     row = {"acceptance_length": 3.0, "drafting_ms": 4.0, "verify_ms": 6.0,
-           "step_ms": 12.5}  # fmt: skip
+           "step_ms": 12.5, "paired_efficiency": 0.8, "paired_overhead_ms": 2.5}  # fmt: skip
     out = report.efficiency(row, base_step_ms=10.0)
     assert out["forwards_ms"] == pytest.approx(10.0)
     assert out["ideal_speedup"] == pytest.approx(3.0)  # 3 * 10 / 10
@@ -26,6 +26,19 @@ def test_efficiency_is_forward_share_of_a_step():
     assert out["efficiency"] == pytest.approx(0.8)  # 10 / 12.5
     assert out["overhead_ms"] == pytest.approx(2.5)
     assert out["cost_ratio"] == pytest.approx(1.0)
+
+
+def test_efficiency_pairs_each_repeat_with_its_own_forwards():
+    # the machine runs at half speed in the second repeat: steps and forwards both double
+    samples = [
+        runners.Sample(tokens=100, seconds=1.0, steps=[step], verify_s=verify, drafting_s=0.004)
+        for step, verify in ((0.020, 0.012), (0.040, 0.028), (0.030, 0.016))
+    ]
+    row = report.summarize(samples)
+    assert row["paired_efficiency"] == pytest.approx(0.8)  # 16/20, 32/40, 20/30
+    assert row["paired_overhead_ms"] == pytest.approx(8.0)  # 4, 8, 10
+    # the ratio of the medians would mix repeats: 20 / 30
+    assert (row["verify_ms"] + row["drafting_ms"]) / row["step_ms"] == pytest.approx(2 / 3)
 
 
 def test_summary_takes_medians_of_speeds_and_pools_acceptance():
