@@ -1,9 +1,9 @@
 """AsyncEngine: submit/abort/stream, and the step pipeline that serves them.
 
 A step runs plan -> draft -> verify -> sample -> refill -> publish. Plan runs on the event
-loop; the device stages are coroutines that hand each step to the compute stream in order
-and pass it on through asyncio queues; publish waits (without blocking the loop) for the
-step's tokens to reach the host. The plan of step N+1 needs only step N's accepted lengths
+loop and hands the step's device stages to the compute stream, in order, then passes the step
+to publish through an asyncio queue; publish waits (without blocking the loop) for the step's
+tokens to reach the host. The plan of step N+1 needs only step N's accepted lengths
 (speculative decoding) or nothing of step N at all (plain decoding, which assumes every
 sequence grows by one, and MTP's one-token mode, which assumes no draft was accepted and lets
 the device correct that), so it runs while the device still works on step N. The draft
@@ -178,19 +178,16 @@ class AsyncEngine:
         self.d2h = Stream(device, "d2h", delay, seed=3) if copies else None
         self.host_buffers = HostBuffers(device)
         self._wake = asyncio.Event()
-        self._step_submitted = asyncio.Event()
-        self._step_submitted.set()
         self._published = -1  # the last step whose tokens reached the requests
         self._last_publish = time.monotonic()
         self._published_cond = asyncio.Condition()
         self._completed: dict[int, Event] = {}  # step -> end of its device work
         self._sampling_for: list[Request] = []  # the requests `_sampling` was built for
-        queues = [asyncio.Queue[Plan]() for _ in range(5)]
-        stages = [self._draft, self._verify, self._sample, self._refill]
-        self._tasks = [asyncio.create_task(self._plan_loop(queues[0]))]
-        for fn, inbox, outbox in zip(stages, queues, queues[1:], strict=False):
-            self._tasks.append(asyncio.create_task(self._device_stage(fn, inbox, outbox)))
-        self._tasks.append(asyncio.create_task(self._publish_loop(queues[4])))
+        planned = asyncio.Queue[Plan]()  # steps handed to the device, in order
+        self._tasks = [
+            asyncio.create_task(self._plan_loop(planned)),
+            asyncio.create_task(self._publish_loop(planned)),
+        ]
 
     async def stop(self) -> None:
         for request_id in list(self.outputs):
@@ -274,7 +271,8 @@ class AsyncEngine:
             while (plan := self._plan(step)) is None:
                 await self._idle()
             await self._upload(plan)
-            await outbox.put(plan)
+            self._submit_stages(plan)
+            outbox.put_nowait(plan)
 
     def _ready(self, needed: int) -> bool:
         return self._published >= needed
@@ -348,24 +346,13 @@ class AsyncEngine:
         unpacked = partial(unpack, uploaded=copied, layout=layout)
         plan.uploaded = self.compute.submit(self._traced, "upload", unpacked, plan)
 
-    async def _device_stage(
-        self, fn: Callable[[Plan], Any], inbox: asyncio.Queue[Plan], outbox: asyncio.Queue[Plan]
-    ) -> None:
-        """Hand each step's stage to the compute stream, in order, and pass the step on.
-
-        The compute stream runs work in submission order, so step N+1's first stage is
-        submitted only after step N's last: its inputs (tokens, KV) are written by step N."""
-        name = fn.__name__.strip("_")
-        first, last = fn == self._draft, fn == self._refill
-        while True:
-            plan = await inbox.get()
-            if first:
-                await self._step_submitted.wait()
-                self._step_submitted.clear()
+    def _submit_stages(self, plan: Plan) -> None:
+        """Hand the step's device stages to the compute stream. The stream runs work in
+        submission order, so each stage starts after the one before it, and step N+1's after
+        step N's refill, which writes its inputs (tokens, KV)."""
+        for fn in (self._draft, self._verify, self._sample, self._refill):
+            name = fn.__name__.strip("_")
             plan.events[name] = self.compute.submit(self._traced, name, fn, plan)
-            if last:
-                self._step_submitted.set()
-            await outbox.put(plan)
 
     def _traced(self, name: str, fn: Callable[[Plan], Any], plan: Plan) -> Any:
         start = self.compute.item_started  # device time includes the delay mode's sleep
