@@ -368,7 +368,8 @@ class AsyncEngine:
         dev = plan.device()
         if plan.kind == "decode":
             history = self.history
-            dev.insert_next_tokens(self.insert, history.accepted, history.tokens)
+            moves = any(plan.unknown)
+            dev.insert_next_tokens(self.insert, history.accepted, history.tokens, moves)
         if plan.k == 0:
             return Drafts(dev.host_drafts)
         return self.drafter.propose(plan, dev)

@@ -8,6 +8,7 @@ import math
 import re
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from engine.request import FinishReason
 
@@ -46,6 +47,7 @@ class _Metric:
         self.name, self.help, self.label_names = name, help, tuple(labels)
         self._lock = threading.Lock()  # the engine loop writes while the server renders
         self._children: dict[tuple[str, ...], list[float]] = {}
+        self._views: dict[tuple[str, ...], object] = {}  # label values -> the child handed out
         if not labels:
             self._child(())
 
@@ -56,6 +58,14 @@ class _Metric:
         if set(labels) != set(self.label_names):
             raise ValueError(f"{self.name} takes labels {self.label_names}, got {tuple(labels)}")
         return tuple(str(labels[n]) for n in self.label_names)
+
+    def _view(self, labels: dict[str, object], make: type) -> Any:
+        """The child object for these labels, made once (the engine updates some every step)."""
+        key = self._key(labels) if labels or self.label_names else ()
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = make(self, self._child(key))
+        return view
 
     def _child(self, key: tuple[str, ...]) -> list[float]:
         with self._lock:
@@ -80,7 +90,7 @@ class Counter(_Metric):
     kind = "counter"
 
     def labels(self, **labels: object) -> _CounterChild:
-        return _CounterChild(self, self._child(self._key(labels)))
+        return self._view(labels, _CounterChild)
 
     def inc(self, amount: float = 1.0) -> None:
         self.labels().inc(amount)
@@ -107,7 +117,7 @@ class Gauge(_Metric):
     kind = "gauge"
 
     def labels(self, **labels: object) -> _GaugeChild:
-        return _GaugeChild(self, self._child(self._key(labels)))
+        return self._view(labels, _GaugeChild)
 
     def set(self, value: float) -> None:
         self.labels().set(value)
@@ -149,7 +159,7 @@ class Histogram(_Metric):
         return [0.0] * (len(self.bounds) + 3)  # one per bound, +Inf, then sum and count
 
     def labels(self, **labels: object) -> _HistogramChild:
-        return _HistogramChild(self, self._child(self._key(labels)))
+        return self._view(labels, _HistogramChild)
 
     def observe(self, value: float) -> None:
         self.labels().observe(value)

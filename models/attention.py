@@ -156,10 +156,13 @@ def paged_metadata(
     kv_slots = kv_indices.long()[page_pos] * page_size + j[None, :] % page_size
     kv_slots = torch.where(j[None, :] < kv_lens[:, None], kv_slots, torch.zeros_like(kv_slots))
     t = torch.arange(positions.shape[0], device=positions.device)
-    seq = torch.searchsorted(qo_indptr[1:], t, right=True)
-    q_index = seq * max_q + (t - qo_indptr[seq])
-    q_positions = torch.zeros(b * max_q, dtype=torch.long, device=positions.device)
-    q_positions[q_index] = positions.long()
+    if positions.shape[0] == b * max_q:  # every sequence has max_q tokens: no padding
+        q_index, q_positions = t, positions.long()
+    else:
+        seq = torch.searchsorted(qo_indptr[1:], t, right=True)
+        q_index = seq * max_q + (t - qo_indptr[seq])
+        q_positions = torch.zeros(b * max_q, dtype=torch.long, device=positions.device)
+        q_positions[q_index] = positions.long()
     return AttentionMetadata(
         slot_mapping=slot_mapping.long(),
         kv_slots=kv_slots,

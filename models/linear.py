@@ -7,9 +7,9 @@ read once either way, while oneDNN's prepacked path stays nearly flat up to M = 
 (`python -m bench.verify_cost`). A single row still goes to MKL, with W stored
 transposed ([I, O] in memory, W itself a view): MKL's one-row product over that layout ran
 the demo target's batch-1 forward 12% and the draft model's 24% faster than over [O, I]
-(and faster than the packed path). Fusing q|k|v and gate|up also halves the calls, each of which costs
-tens of microseconds at the demo's shapes.
-Training never uses these (the prepacked path has no backward).
+(and faster than the packed path). Fusing q|k|v and gate|up also halves the calls, each of
+which costs tens of microseconds at the demo's shapes. Training never uses these (the
+prepacked path has no backward).
 """
 
 from __future__ import annotations
