@@ -182,7 +182,8 @@ class AsyncEngine:
         self._last_publish = time.monotonic()
         self._published_cond = asyncio.Condition()
         self._completed: dict[int, Event] = {}  # step -> end of its device work
-        self._sampling_for: list[Request] = []  # the requests `_sampling` was built for
+        # the last batch's requests and the sampling tensors built for them
+        self._sampling: tuple[list[Request], SamplingTensors] | None = None
         planned = asyncio.Queue[Plan]()  # steps handed to the device, in order
         self._tasks = [
             asyncio.create_task(self._plan_loop(planned)),
@@ -325,12 +326,14 @@ class AsyncEngine:
         """The batch's sampling tensors; the previous step's when it ran the same requests in
         the same order (decoding steps mostly do: building them is a fifth of a step's host
         time at batch 1)."""
-        requests, last = [s.request for s in seqs], self._sampling_for
-        if len(requests) != len(last) or not all(map(operator.is_, requests, last)):
-            params, seeds = [r.params for r in requests], [r.seed for r in requests]
-            self._sampling = SamplingTensors.build(params, seeds, self.device)
-            self._sampling_for = requests
-        return self._sampling
+        requests, cached = [s.request for s in seqs], self._sampling
+        if cached is not None and len(cached[0]) == len(requests):
+            if all(map(operator.is_, requests, cached[0])):
+                return cached[1]
+        params, seeds = [r.params for r in requests], [r.seed for r in requests]
+        tensors = SamplingTensors.build(params, seeds, self.device)
+        self._sampling = (requests, tensors)
+        return tensors
 
     def _draft_length(self, seqs: list[Sequence]) -> int:
         if self.cost is None:

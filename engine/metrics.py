@@ -61,7 +61,7 @@ class _Metric:
 
     def _view(self, labels: dict[str, object], make: type) -> Any:
         """The child object for these labels, made once (the engine updates some every step)."""
-        key = self._key(labels) if labels or self.label_names else ()
+        key = self._key(labels)
         view = self._views.get(key)
         if view is None:
             view = self._views[key] = make(self, self._child(key))

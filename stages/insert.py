@@ -32,7 +32,7 @@ class StepLayout:
     base: torch.Tensor  # [B] position of the last committed token
     positions: torch.Tensor  # [B, W] positions of the step's tokens
     slots: torch.Tensor  # [B, W] slots they write
-    q_positions: torch.Tensor  # [B, W] the attention's copy of the positions
+    q_positions: torch.Tensor  # [B, W] the attention's positions (may be `positions` itself)
     tail_slots: torch.Tensor  # [B, W + 1] slots of positions base .. base + W
     kv_slots: torch.Tensor  # [B, L] slot of each key position (read only)
     kv_lens: torch.Tensor  # [B] keys each sequence attends to after the step's writes
