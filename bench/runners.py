@@ -8,7 +8,7 @@ decodes (from the step timeline). After the cell, on the engine's compute thread
 over the verify width and the drafter's forwards are timed alone at the cell's shapes and the
 context length seen (mean prompt plus half the new tokens). The drafter forwards of a chain
 step are k one-token forwards (k the mean number of draft tokens per speculative step), and of
-a tree step one forward per level over its nodes (`tree_levels`).
+a tree step one forward per level over the nodes it expands (`tree_levels`).
 """
 
 from __future__ import annotations
@@ -188,11 +188,12 @@ class EngineRunner:
 def tree_levels(spec: SpecConfig) -> list[int] | None:
     """Tokens a sequence of each drafter forward of a tree step (None for a chain, which runs
     k forwards of one token: k - 1 drafting, one refill). A tree's first level comes from the
-    deferred logits; a fixed tree runs the head over the nodes of each depth but the last, a
-    dynamic tree over top-k nodes a level; then the refill (taken as one token)."""
+    deferred logits; a fixed tree runs the head over the nodes of each depth that have
+    children, a dynamic tree over top-k nodes a level; then the refill (taken as one token)."""
     if spec.tree == "fixed":
-        depths = [len(path) for path in spec.tree_paths]
-        return [depths.count(d) for d in range(1, max(depths))] + [1]
+        inner = {path[:-1] for path in spec.tree_paths if len(path) > 1}
+        depth = max(len(path) for path in spec.tree_paths)
+        return [sum(len(node) == d for node in inner) for d in range(1, depth)] + [1]
     if spec.tree == "dynamic":
         return [spec.tree_topk] * (spec.tree_depth - 1) + [1]
     return None

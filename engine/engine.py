@@ -181,7 +181,7 @@ class AsyncEngine:
         self._published = -1  # the last step whose tokens reached the requests
         self._last_publish = time.monotonic()
         self._published_cond = asyncio.Condition()
-        self._completed: dict[int, Event] = {}  # step -> end of its device work
+        self._completed: dict[int, Plan] = {}  # steps whose pages wait for their device work
         # the last batch's requests and the sampling tensors built for them
         self._sampling: tuple[list[Request], SamplingTensors] | None = None
         planned = asyncio.Queue[Plan]()  # steps handed to the device, in order
@@ -281,8 +281,7 @@ class AsyncEngine:
     async def _idle(self) -> None:
         """Nothing to run: wait for a step to complete (its pages come back) or for news."""
         if self._completed:
-            oldest = self._completed[min(self._completed)]
-            await asyncio.wait([asyncio.wrap_future(oldest.future)])
+            await _settled(self._completed[min(self._completed)].events["refill"])
             return
         self._wake.clear()
         await self._wake.wait()
@@ -394,22 +393,21 @@ class AsyncEngine:
     async def _publish_loop(self, inbox: asyncio.Queue[Plan]) -> None:
         while True:
             plan = await inbox.get()
-            self._completed[plan.step] = plan.events["refill"]
+            self._completed[plan.step] = plan
             try:
                 host = await self._fetch(plan)
             except Exception as error:  # a failed stage fails its step's requests only
                 self._fail_step(plan, error)
             else:
                 self._publish(plan, host)
-            if self.config.pipelined:  # the next plan may run while refill does
-                await self._mark_published(plan.step)
-            await _settled(plan.events["refill"])
-            if self.cost is not None and plan.kind == "decode":
-                self.cost.observe(plan.batch_size, plan.k, plan.device_seconds)
-            self._release_completed()
-            if not self.config.pipelined:
-                await self._mark_published(plan.step)
-            self._update_gauges()
+            if not self.config.pipelined:  # the next plan waits for the whole step
+                await _settled(plan.events["refill"])
+            # the loop wakes once a step: the refill's end is seen by the next publish or plan
+            # (a second wake a step cost the demo's decoding 7-8%: each takes the GIL from
+            # the compute thread)
+            await self._mark_published(plan.step)
+            if not self._release_completed():
+                self._update_gauges()
             self._wake.set()
 
     async def _mark_published(self, step: int) -> None:
@@ -529,12 +527,21 @@ class AsyncEngine:
         self._update_gauges()
         self._wake.set()
 
-    def _release_completed(self) -> None:
-        for step, event in sorted(self._completed.items()):
-            if not event.done():
+    def _release_completed(self) -> bool:
+        """Hand back the pages of the steps whose device work has ended, in step order, and
+        show the cost model their times; whether any step was."""
+        released = False
+        for step, plan in sorted(self._completed.items()):
+            if not plan.events["refill"].done():
                 break
             self.allocator.release(step)
             del self._completed[step]
+            released = True
+            if self.cost is not None and plan.kind == "decode":
+                self.cost.observe(plan.batch_size, plan.k, plan.device_seconds)
+        if released:
+            self._update_gauges()
+        return released
 
 
 async def _settled(event: Event) -> None:

@@ -46,10 +46,11 @@ class KVCache:
     def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy K and V of every layer from src to dst slots ([N] each); used after a tree."""
         src, dst = self.key_rows(src_slots), self.key_rows(dst_slots)
-        for layer in range(self.data.shape[0]):
-            rows = self.layer_rows(layer)
-            for offset in (0, self.page_size):
-                rows[dst + offset] = rows[src + offset]
+        ps = self.page_size
+        rows = self.data.view(self.data.shape[0], -1, self.num_kv_heads, self.head_dim)
+        # one gather then one scatter over all layers (the gather copies, so a source that is
+        # also a destination is read before it is written)
+        rows[:, torch.cat((dst, dst + ps))] = rows[:, torch.cat((src, src + ps))]
 
     @staticmethod
     def bytes_per_page(

@@ -8,8 +8,8 @@ CUDA); FlashInfer is used on CUDA when it is installed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,9 @@ class AttentionMetadata:
     # (tokens come sequence by sequence, in the order qo_indptr gives them)
     q_positions: torch.Tensor  # [B, Qmax] int64, position of each padded query (0 for padding)
     mask: torch.Tensor | None = None  # [B, Qmax, Lmax] bool; replaces the causal rule (trees)
+    # What forwards over the same keys share, built by the first of them: copies that keep
+    # kv_slots and kv_lens (a tree's verify, a step's drafter forwards) pass the same dict.
+    shared: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -53,11 +56,17 @@ class AttentionMetadata:
 
     def visible(self) -> torch.Tensor:
         """[B, Qmax, Lmax] bool: which keys each padded query attends to."""
-        keys = torch.arange(self.kv_slots.shape[1], device=self.kv_slots.device)
-        in_seq = keys[None, None, :] < self.kv_lens[:, None, None]
+        keys, in_seq = self._keys()
         if self.mask is not None:
             return self.mask & in_seq
-        return (keys[None, None, :] <= self.q_positions[:, :, None]) & in_seq
+        return (keys <= self.q_positions[:, :, None]) & in_seq
+
+    def _keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key indices [1, 1, Lmax], whether each key exists [B, 1, Lmax])."""
+        if "keys" not in self.shared:
+            keys = torch.arange(self.kv_slots.shape[1], device=self.kv_slots.device)[None, None]
+            self.shared["keys"] = keys, keys < self.kv_lens[:, None, None]
+        return self.shared["keys"]
 
 
 class TorchPagedAttention:
@@ -74,11 +83,7 @@ class TorchPagedAttention:
         ps = cache.page_size
         write = cache.key_rows(meta.slot_mapping)  # [T]
         self.write_rows = (write, write + ps)  # key and value rows
-        read = cache.key_rows(meta.kv_slots).flatten()  # [B * Lmax]
-        # keys then values; index_select copies whole rows (much faster than x[rows] on a CPU)
-        self.read_rows = torch.cat((read, read + ps))  # [2 * B * Lmax]
-        # one gather buffer for all layers (a fresh large tensor per layer costs page faults)
-        self.kv = cache.data.new_empty(self.read_rows.shape[0], cache.num_kv_heads, cache.head_dim)
+        self.read_rows, self.kv = self._reads(meta, cache)
         group = num_q_heads // cache.num_kv_heads
         b, qmax, lmax = meta.num_seqs, meta.max_q, meta.kv_slots.shape[1]
         visible = meta.visible()  # [B, Qmax, Lmax]
@@ -89,6 +94,19 @@ class TorchPagedAttention:
         # tokens come sequence by sequence (CSR order), so when every sequence has Qmax of them
         # the padded layout is the token order itself and needs no scatter or gather
         self.dense = meta.q_index.shape[0] == b * qmax
+
+    @staticmethod
+    def _reads(meta: AttentionMetadata, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows to gather [2 * B * Lmax], the gather buffer): shared by every forward over
+        the same keys of caches of the same page size and row shape."""
+        key = ("reads", cache.page_size, cache.num_kv_heads, cache.head_dim, cache.data.dtype)
+        if key not in meta.shared:
+            read = cache.key_rows(meta.kv_slots).flatten()  # [B * Lmax]
+            # keys then values; index_select copies whole rows (much faster than x[rows] here)
+            rows = torch.cat((read, read + cache.page_size))
+            # one gather buffer for all layers (a fresh large tensor per layer costs page faults)
+            meta.shared[key] = rows, cache.data.new_empty(*rows.shape, *cache.data.shape[-2:])
+        return meta.shared[key]
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -101,14 +101,16 @@ def tree_ancestors(parents: torch.Tensor, depth: int) -> torch.Tensor:
     return ancestors
 
 
-def tree_drafts(dev: DevicePlan, tokens, parents, depths, depth: int) -> Drafts:
+def tree_drafts(dev: DevicePlan, tokens, parents, depths, depth: int, ancestors=None) -> Drafts:
     """A tree's Drafts with what the target's verify forward needs, built on the device.
 
-    tokens, parents, depths: [B, N] (depths from 1). Verify row 0 is the root (the last
+    tokens, parents, depths: [B, N] (depths from 1); ancestors [B, N, N] when the caller
+    knows them (a fixed shape), else found from the parents. Verify row 0 is the root (the last
     committed token, at position base), row 1 + i node i (position base + depth, slot
     base + 1 + i). Every row sees the committed keys 0 .. base; a node also sees the nodes on
     its own path, itself included: keys base + 1 + j for its ancestors j."""
-    ancestors = tree_ancestors(parents, depth)  # [B, N, N]
+    if ancestors is None:
+        ancestors = tree_ancestors(parents, depth)  # [B, N, N]
     b, n = tokens.shape
     zero = torch.zeros_like(depths[:, :1])
     positions = dev.base[:, None] + torch.cat([zero, depths], 1)  # [B, N + 1]

@@ -18,7 +18,15 @@ from engine.scheduler import Sequence
 from kv.cache import KVCache
 from models.attention import AttentionMetadata, TorchPagedAttention
 from models.eagle import EagleHead
-from stages.draft import Drafts, TargetOutput, Verdict, draft_chain, probe_head, tree_drafts
+from stages.draft import (
+    Drafts,
+    TargetOutput,
+    Verdict,
+    draft_chain,
+    probe_head,
+    tree_ancestors,
+    tree_drafts,
+)
 from stages.plan import DevicePlan, Plan, drafter_metadata
 from stages.refill import move_tree_path
 
@@ -63,6 +71,7 @@ class EagleDrafter:
             kv_lens=meta.kv_lens,
             q_index=meta.q_index,
             q_positions=(meta.q_positions - 1).clamp(min=0),
+            shared=meta.shared,
         )
         self.head(out.input_ids, features, positions, self._attention(pairs))
         self.last_feature[dev.rows] = out.hidden[dev.logits_index]
@@ -147,10 +156,11 @@ class EagleTreeDrafter(EagleDrafter):
         self.scratch_start = scratch_start  # first scratch slot; row r owns S after r * S
 
     def propose(self, plan: Plan, dev: DevicePlan) -> Drafts:
-        tokens, parents, depths = self.shape.draft(self, dev, plan.k)  # [B, N] each
+        tokens, parents, depths, ancestors = self.shape.draft(self, dev, plan.k)  # [B, N] ...
         # never accept past num_drafts: deeper nodes become padding (their subtrees too)
         tokens = torch.where(depths <= dev.num_drafts[:, None], tokens, -1)
-        return tree_drafts(dev, tokens, parents, depths, min(self.shape.depth, plan.k))
+        depth = min(self.shape.depth, plan.k)
+        return tree_drafts(dev, tokens, parents, depths, depth, ancestors)
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
         if verdict.path is None:  # a step that drafted nothing: a chain of width 1
@@ -183,25 +193,38 @@ class EagleTreeDrafter(EagleDrafter):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the head over m tree nodes per sequence; returns (log-probabilities [B, m, V] of
         their children, their head features [B, m, H])."""
-        meta, s = dev.target_meta, self.shape.scratch_size
         b, m = ids.shape
-        scratch = self.scratch_start + dev.rows[:, None] * s + torch.arange(s, device=ids.device)
-        lmax = meta.kv_slots.shape[1]
-        committed = torch.arange(lmax, device=ids.device)[None, :] < dev.base[:, None]
-        mask = torch.cat([committed[:, None].expand(b, m, lmax), visible.expand(b, m, s)], 2)
+        scratch, kv_slots, committed, shared = self._tree_keys(dev)
+        mask = torch.cat([committed.expand(b, m, -1), visible.expand(b, m, -1)], 2)
         positions = (dev.base + level - 1)[:, None].expand(b, m)  # pair (node, parent feature)
         small = AttentionMetadata(
             slot_mapping=scratch[:, first : first + m].flatten(),
-            kv_slots=torch.cat([meta.kv_slots, scratch], 1),
-            kv_lens=torch.full_like(dev.base, lmax + s),
+            kv_slots=kv_slots,
+            kv_lens=torch.full_like(dev.base, kv_slots.shape[1]),
             q_index=torch.arange(b * m, device=ids.device),
             q_positions=positions,
             mask=mask,
+            shared=shared,
         )
         flat = features.reshape(b * m, -1)
         hidden = self.head(ids.flatten(), flat, positions.flatten(), self._attention(small))
         logits = self.head.logits(hidden)  # [B * m, V]
         return logits.float().log_softmax(-1).view(b, m, -1), hidden.view(b, m, -1)
+
+    def _tree_keys(self, dev: DevicePlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+        """The keys a step's tree nodes see, the same at every level (built once a step):
+        (each row's scratch slots [B, S], the step's key slots then those [B, Lmax + S],
+        which keys are committed [B, 1, Lmax], what the levels' attention shares)."""
+        shared = dev.target_meta.shared
+        if "tree keys" not in shared:
+            meta, s = dev.target_meta, self.shape.scratch_size
+            device = meta.kv_slots.device
+            scratch = self.scratch_start + dev.rows[:, None] * s + torch.arange(s, device=device)
+            keys = torch.arange(meta.kv_slots.shape[1], device=device)
+            committed = (keys[None, :] < dev.base[:, None])[:, None]
+            kv_slots = torch.cat([meta.kv_slots, scratch], 1)
+            shared["tree keys"] = scratch, kv_slots, committed, {}
+        return shared["tree keys"]
 
 
 class FixedTree:
@@ -220,6 +243,7 @@ class FixedTree:
         self.device = device
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)
         self.parents, self.depths = as_tensor(parents), as_tensor([len(p) for p in order])
+        self.ancestors = tree_ancestors(self.parents[None], self.depth)  # [1, N, N]
         self.levels = []  # per depth: (nodes, their parents' position among the run, ranks)
         self.runs = []  # per depth < max: (first scratch index, nodes run, parents' scratch)
         for level in range(1, self.depth + 1):
@@ -245,7 +269,8 @@ class FixedTree:
         return visible.to(self.device)
 
     def draft(self, d: EagleTreeDrafter, dev: DevicePlan, n: int):
-        """(tokens, parents, depths) [B, n] of the first n nodes."""
+        """(tokens, parents, depths) [B, n] of the first n nodes, and their ancestors [B, n, n]
+        (a prefix of the nodes is a tree: its ancestors are a corner of the whole tree's)."""
         logp, feature = d.roots(dev)  # [B, V], [B, H]
         b = logp.shape[0]
         tokens = torch.full((b, self.size), -1, dtype=torch.long, device=logp.device)
@@ -262,7 +287,8 @@ class FixedTree:
             children, hidden = d.expand(dev, level, first, ids, fed, visible)
             outputs[:, first : first + len(run)] = hidden
         expand = lambda t: t[None, :n].expand(b, -1)
-        return tokens[:, :n], expand(self.parents), expand(self.depths)
+        ancestors = self.ancestors[:, :n, :n].expand(b, -1, -1)
+        return tokens[:, :n], expand(self.parents), expand(self.depths), ancestors
 
 
 class DynamicTree:
@@ -278,7 +304,7 @@ class DynamicTree:
         self.depths = torch.tensor(depths, dtype=torch.long, device=device)  # [C] candidates
 
     def draft(self, d: EagleTreeDrafter, dev: DevicePlan, n: int):
-        """(tokens, parents, depths) [B, n]."""
+        """(tokens, parents, depths) [B, n]; ancestors None (tree_drafts finds them)."""
         k, s = self.topk, self.scratch_size
         logp, feature = d.roots(dev)  # [B, V], [B, H]
         b, device = logp.shape[0], logp.device
@@ -308,9 +334,10 @@ class DynamicTree:
             owner = run[None].expand(b, k).repeat_interleave(k, 1)
             scores.append(score)
             tokens.append(token)
-        return _best(
+        best = _best(
             torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1), self.depths, n
         )
+        return *best, None
 
 
 def _best(scores, tokens, parents, depths, n: int):

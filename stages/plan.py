@@ -268,13 +268,17 @@ def drafter_metadata(
     step's key slots (they cover every position the step writes); causality by position hides
     the keys past each query."""
     meta = dev.target_meta
+    kv_slots, kv_lens, shared = meta.kv_slots, meta.kv_lens, meta.shared
+    if index is not None:  # other keys: nothing to share with the step's forwards
+        kv_slots, kv_lens, shared = kv_slots[index], kv_lens[index], {}
     e, m = positions.shape
     return AttentionMetadata(
         slot_mapping=slots.flatten(),
-        kv_slots=meta.kv_slots if index is None else meta.kv_slots[index],
-        kv_lens=meta.kv_lens if index is None else meta.kv_lens[index],
+        kv_slots=kv_slots,
+        kv_lens=kv_lens,
         q_index=torch.arange(e * m, device=positions.device),
         q_positions=positions,
+        shared=shared,
     )
 
 

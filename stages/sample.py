@@ -354,13 +354,15 @@ def tree_verify(
     """
     batch = target_probs.shape[0]
     depth = _tree_depth(parents) if depth is None else depth
+    if greedy:
+        return _greedy_tree_verify(target_probs.argmax(-1), node_tokens, parents, depth)
     rows = torch.arange(batch, device=target_probs.device)
     current = torch.full_like(rows, -1)  # node index, -1: the root
     active = torch.ones_like(rows, dtype=torch.bool)
     tokens = torch.full((batch, depth + 1), -1, dtype=torch.int64, device=rows.device)
     path = torch.full((batch, depth), -1, dtype=torch.int64, device=rows.device)
     for d in range(depth + 1):
-        drawn = sample(target_probs[rows, current + 1], seeds, positions + d, greedy=greedy)
+        drawn = sample(target_probs[rows, current + 1], seeds, positions + d)
         tokens[:, d] = torch.where(active, drawn, -1)
         if d == depth:
             break
@@ -371,6 +373,31 @@ def tree_verify(
         current = torch.where(found, child, current)
         active = active & found
     return tokens, (path >= 0).sum(1), path
+
+
+def _greedy_tree_verify(
+    argmax: torch.Tensor,  # [B, N+1] each verify row's token
+    node_tokens: torch.Tensor,  # [B, N]
+    parents: torch.Tensor,  # [B, N]
+    depth: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tree_verify for one-hot rows: the draw at a node is its row's argmax, the same at every
+    try, so a node matches when its token is its parent's argmax, and once a level finds no
+    matching child of the current node no later level does."""
+    matches = node_tokens == argmax.gather(1, parents + 1)  # [B, N]
+    current = torch.full_like(parents[:, 0], -1)  # node index, -1: the root
+    steps = []
+    for _ in range(depth):
+        hit = (parents == current[:, None]) & matches
+        found = hit.any(1)
+        current = torch.where(found, hit.int().argmax(1), current)  # the first hit
+        steps.append(torch.where(found, current, -1))
+    path = torch.stack(steps, 1) if steps else parents[:, :0]  # [B, depth]
+    accepted = (path >= 0).sum(1)
+    rows = torch.cat([torch.zeros_like(path[:, :1]), path + 1], 1)  # root, then the path
+    tokens = argmax.gather(1, rows.clamp(min=0))
+    positions = torch.arange(depth + 1, device=path.device)
+    return torch.where(positions <= accepted[:, None], tokens, -1), accepted, path
 
 
 def _tree_depth(parents: torch.Tensor) -> int:

@@ -84,7 +84,8 @@ def test_spec_counters_read_the_engine_metrics():
 def test_tree_levels_count_the_drafter_forwards():
     assert runners.tree_levels(SpecConfig("eagle", num_speculative_tokens=3)) is None
     fixed = SpecConfig("eagle", tree="fixed", tree_paths=((0,), (1,), (0, 0), (0, 1), (0, 0, 0)))
-    assert runners.tree_levels(fixed) == [2, 2, 1]  # depths 1 and 2 expanded, then the refill
+    # the nodes with children at depths 1 and 2 ((0,) and (0, 0)) are run, then the refill
+    assert runners.tree_levels(fixed) == [1, 1, 1]
     dynamic = SpecConfig("eagle", tree="dynamic", tree_depth=3, tree_topk=4, tree_nodes=8)
     assert runners.tree_levels(dynamic) == [4, 4, 1]
 

@@ -100,6 +100,14 @@ def test_ancestors_and_mask_follow_the_paths():
         assert seen == list(range(base + 1)) + [base + 1 + j for j in path_of(i)]
 
 
+def test_fixed_tree_ancestors_hold_for_every_prefix():
+    # a step drafting fewer nodes than the tree has takes the corner of its ancestors
+    tree = eagle_drafter.FixedTree(FIXED, torch.device("cpu"))
+    for n in range(1, tree.size + 1):
+        parents = tree.parents[None, :n]
+        assert torch.equal(tree.ancestors[:, :n, :n], tree_ancestors(parents, tree.depth))
+
+
 def test_tree_verify_forward_equals_dense_path_forwards(tiny_target):
     """The target over a tree (positions by depth, slots by node index, the tree mask) gives
     each node the hidden state of a dense causal forward over the prompt and its path."""
