@@ -11,7 +11,7 @@ import torch
 from engine.scheduler import Sequence
 from models.attention import CausalAttention
 from stages.plan import DevicePlan, Plan
-from stages.sample import SALT_DRAFT, SamplingTensors, process_logits, sample
+from stages.sample import SALT_DRAFT, SamplingTensors, draw, process_logits, uniform
 
 
 @dataclass
@@ -54,16 +54,14 @@ class Verdict:
 def choose_drafts(
     logits: torch.Tensor,  # [B, V] drafter logits
     st: SamplingTensors,
-    positions: torch.Tensor,  # [B] position of the token drafted
-    sampled: bool,
+    u: torch.Tensor | None,  # [B] the draft's uniforms; None: greedy drafting
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(tokens [B], q [B, V] or None): the argmax (a point mass), or a draw from the processed
-    q, which the sampler then needs whole for the residual. A greedy batch's q would be the
-    argmax's point mass anyway, so it skips the work."""
-    if not sampled or st.all_greedy:
+    q, which the sampler then needs whole for the residual."""
+    if u is None:
         return logits.argmax(-1), None
     q = process_logits(logits[:, None].float(), st, None, None)[:, 0]
-    return sample(q, st.seeds, positions, SALT_DRAFT), q
+    return draw(q, u), q
 
 
 def draft_chain(
@@ -76,15 +74,21 @@ def draft_chain(
 ) -> Drafts:
     """plan.k draft tokens, each chosen from the drafter's current logits; between tokens,
     `step(token [B], state, j)` runs the drafter over draft j and returns its next logits and
-    state (what a head feeds back: its hidden state; nothing for a draft model)."""
+    state (what a head feeds back: its hidden state; nothing for a draft model). A greedy
+    batch's q would be the argmax's point mass anyway, so it drafts greedily."""
+    st, k = plan.sampling, plan.k
+    u = None  # [B, k] the drafts' uniforms, drawn at once (positions base + 1 ..)
+    if sampled and not st.all_greedy:
+        positions = dev.base[:, None] + 1 + torch.arange(k, device=dev.base.device)
+        u = uniform(st.seeds, positions, SALT_DRAFT)
     tokens: list[torch.Tensor] = []
     probs: list[torch.Tensor] = []
-    for j in range(plan.k):
-        token, q = choose_drafts(logits, plan.sampling, dev.base + 1 + j, sampled)
+    for j in range(k):
+        token, q = choose_drafts(logits, st, None if u is None else u[:, j])
         tokens.append(token)
         if q is not None:
             probs.append(q)
-        if j + 1 < plan.k:
+        if j + 1 < k:
             logits, state = step(token, state, j)
     return Drafts(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None)
 

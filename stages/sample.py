@@ -123,30 +123,57 @@ def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
     return ((x << r) & _MASK32) | (x >> (32 - r))
 
 
-def _murmur3(words: list[torch.Tensor], seed: int) -> torch.Tensor:
-    """MurmurHash3 (x86, 32-bit) of equal-shaped tensors of 32-bit words, elementwise."""
-    h = torch.full_like(words[0], seed & _MASK32)
-    for k in words:
-        k = _mul32(_rotl32(_mul32(k, 0xCC9E2D51), 15), 0x1B873593)
-        h = (_rotl32(h ^ k, 13) * 5 + 0xE6546B64) & _MASK32
-    h = h ^ (4 * len(words))
+def _mix(h: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """One 32-bit word k into the murmur3 state h."""
+    k = _mul32(_rotl32(_mul32(k, 0xCC9E2D51), 15), 0x1B873593)
+    return (_rotl32(h ^ k, 13) * 5 + 0xE6546B64) & _MASK32
+
+
+def _finish(h: torch.Tensor, num_words: int) -> torch.Tensor:
+    h = h ^ (4 * num_words)
     h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
     h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
     return h ^ (h >> 16)
+
+
+def _words(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The low and high 32-bit halves of int64 values."""
+    return x & _MASK32, (x >> 32) & _MASK32
+
+
+# salt -> (seeds, the hash state after their words): the last seeds tensor seen per salt, which
+# a batch passes step after step (its SamplingTensors are reused), so that each step hashes
+# only the positions' words. Held by reference, so an identical object is the same seeds.
+_seed_states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _seed_state(seeds: torch.Tensor, salt: int) -> torch.Tensor:
+    cached = _seed_states.get(salt)
+    if cached is not None and cached[0] is seeds:
+        return cached[1]
+    h = torch.full_like(seeds, salt & _MASK32)
+    for word in _words(seeds):
+        h = _mix(h, word)
+    _seed_states[salt] = (seeds, h)
+    return h
 
 
 def uniform(seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Tensor:
     """Uniforms in the open interval (0, 1), float64, one per element of `positions`.
 
     seeds: [B] int64; positions: [B] or [B, S] int64; salt in [0, 2^32). A pure function of
-    (seed, position, salt): (h + 1/2) / 2^32 for h the murmur3 hash of the four 32-bit halves
-    of seed and position, keyed by the salt. 32 bits put every probability within 2^-32 of
-    its exact value, far below float32 rounding of the probabilities themselves.
+    (seed, position, salt): (h + 1/2) / 2^32 for h the murmur3 hash (x86, 32-bit) of the four
+    32-bit halves of seed and position, keyed by the salt. 32 bits put every probability
+    within 2^-32 of its exact value, far below float32 rounding of the probabilities themselves.
+    Each call is some sixty small tensor operations whatever its size: callers draw a step's
+    uniforms in as few calls as they can.
     """
     positions = positions.long()
-    seeds = seeds.long().reshape(-1, *([1] * (positions.dim() - 1))).expand_as(positions)
-    words = [w & _MASK32 for w in (seeds, seeds >> 32, positions, positions >> 32)]
-    return (_murmur3(words, salt).double() + 0.5) * 2.0**-32
+    h = _seed_state(seeds.long(), salt)
+    h = h.reshape(-1, *([1] * (positions.dim() - 1))).expand_as(positions)
+    for word in _words(positions):
+        h = _mix(h, word)
+    return (_finish(h, 4).double() + 0.5) * 2.0**-32
 
 
 # ---- logits processing ----
@@ -267,10 +294,15 @@ def sample(
     that entry, found without the uniforms and the cumsum."""
     if greedy:
         return probs.argmax(-1)
+    return draw(probs, uniform(seeds, positions, salt))
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`sample` with its uniforms u [B] drawn already (a caller drawing a step's at once)."""
     vocab = probs.shape[-1]
     cdf = probs.cumsum(-1)
     total = cdf[:, -1:]
-    u = uniform(seeds, positions, salt).to(cdf.dtype)[:, None]
+    u = u.to(cdf.dtype)[:, None]
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=vocab - 1)
     drawn = probs.gather(1, tokens[:, None]).squeeze(1) > 0
@@ -303,11 +335,12 @@ def chain_verify(
     in_draft = steps[:k] < num_drafts[:, None]  # [B, k]
     drafts = draft_tokens.clamp(min=0)
     if draft_probs is None or k == 0:
-        pos = (positions[:, None] + steps).reshape(-1)
-        drawn = sample(
-            target_probs.reshape(-1, vocab), seeds.repeat_interleave(width), pos, greedy=greedy
-        )
-        drawn = drawn.view(batch, width)
+        flat = target_probs.reshape(-1, vocab)
+        if greedy:
+            drawn = flat.argmax(-1).view(batch, width)
+        else:
+            u = uniform(seeds, positions[:, None] + steps, SALT_SAMPLE)  # [B, W]
+            drawn = draw(flat, u.flatten()).view(batch, width)
         num_accepted = _run_length((drawn[:, :k] == drafts) & in_draft)
         return torch.where(steps <= num_accepted[:, None], drawn, -1), num_accepted
 
@@ -361,8 +394,10 @@ def tree_verify(
     active = torch.ones_like(rows, dtype=torch.bool)
     tokens = torch.full((batch, depth + 1), -1, dtype=torch.int64, device=rows.device)
     path = torch.full((batch, depth), -1, dtype=torch.int64, device=rows.device)
+    levels = torch.arange(depth + 1, device=rows.device)
+    u = uniform(seeds, positions[:, None] + levels, SALT_SAMPLE)  # [B, depth + 1]
     for d in range(depth + 1):
-        drawn = sample(target_probs[rows, current + 1], seeds, positions + d)
+        drawn = draw(target_probs[rows, current + 1], u[:, d])
         tokens[:, d] = torch.where(active, drawn, -1)
         if d == depth:
             break

@@ -93,6 +93,31 @@ def test_uniform_is_a_pure_function_in_the_open_interval():
     assert grid.unique().numel() == grid.numel()
 
 
+def murmur3_32(data: bytes, seed: int) -> int:
+    """The reference MurmurHash3 (x86, 32-bit) over bytes, for data of whole 4-byte words."""
+    mask, h = 0xFFFFFFFF, seed
+    rotl = lambda x, r: ((x << r) | (x >> (32 - r))) & mask  # noqa: E731
+    for i in range(0, len(data), 4):
+        k = rotl(int.from_bytes(data[i : i + 4], "little") * 0xCC9E2D51 & mask, 15)
+        h = (rotl(h ^ (k * 0x1B873593 & mask), 13) * 5 + 0xE6546B64) & mask
+    h ^= len(data)
+    h = (h ^ (h >> 16)) * 0x85EBCA6B & mask
+    h = (h ^ (h >> 13)) * 0xC2B2AE35 & mask
+    return h ^ (h >> 16)
+
+
+def test_uniform_is_murmur3_of_seed_and_position_whatever_seeds_came_before():
+    # the seed half of the hash is kept for the last seeds tensor per salt: a different one,
+    # then the first again, must each give their own hashes
+    first, other = torch.tensor([3, -(2**63), 2**40 + 7]), torch.tensor([4, 5, 6])
+    positions = torch.tensor([0, 2**33 + 1, 17])
+    for seeds in (first, other, first):
+        u = uniform(seeds, positions, SALT_ACCEPT)
+        for s, p, got in zip(seeds.tolist(), positions.tolist(), u.tolist(), strict=True):
+            data = s.to_bytes(8, "little", signed=True) + p.to_bytes(8, "little", signed=True)
+            assert got == (murmur3_32(data, SALT_ACCEPT) + 0.5) * 2.0**-32
+
+
 def test_uniform_is_uniform():
     u = uniform(torch.arange(100_000), torch.full((100_000,), 9), SALT_SAMPLE)
     assert chi_square_pvalue((u * 20).long(), torch.full((20,), 0.05)) > 1e-3
