@@ -168,9 +168,15 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Te
     Each call is some sixty small tensor operations whatever its size: callers draw a step's
     uniforms in as few calls as they can.
     """
+    return uniforms(seeds, positions, (salt,))[0]
+
+
+def uniforms(seeds: torch.Tensor, positions: torch.Tensor, salts: tuple[int, ...]) -> torch.Tensor:
+    """[len(salts), *positions.shape]: `uniform` for several salts in one call."""
     positions = positions.long()
-    h = _seed_state(seeds.long(), salt)
-    h = h.reshape(-1, *([1] * (positions.dim() - 1))).expand_as(positions)
+    seeds = seeds.long()
+    h = torch.stack([_seed_state(seeds, salt) for salt in salts])  # [S, B]
+    h = h.reshape(*h.shape, *([1] * (positions.dim() - 1))).expand(len(salts), *positions.shape)
     for word in _words(positions):
         h = _mix(h, word)
     return (_finish(h, 4).double() + 0.5) * 2.0**-32
@@ -346,8 +352,9 @@ def chain_verify(
 
     p_x = target_probs[:, :k].gather(2, drafts[..., None]).squeeze(2)  # [B, k]
     q_x = draft_probs.gather(2, drafts[..., None]).squeeze(2)  # [B, k]
-    u = uniform(seeds, positions[:, None] + steps[:k], SALT_ACCEPT)  # [B, k]
-    num_accepted = _run_length((u * q_x < p_x) & in_draft)  # u < p/q, never when p(x) = 0
+    # the accept tests' uniforms and those of the token emitted at each position, at once
+    u, u_emit = uniforms(seeds, positions[:, None] + steps, (SALT_ACCEPT, SALT_SAMPLE))
+    num_accepted = _run_length((u[:, :k] * q_x < p_x) & in_draft)  # u < p/q, never if p(x) = 0
 
     rows = torch.arange(batch, device=target_probs.device)
     p = target_probs[rows, num_accepted]  # [B, V]
@@ -356,7 +363,10 @@ def chain_verify(
     residual = (p - q).clamp(min=0)
     # p == q leaves no residual; a rejection then has probability 0 up to rounding
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-    last = sample(residual, seeds, positions + num_accepted, greedy=greedy)
+    if greedy:
+        last = residual.argmax(-1)
+    else:
+        last = draw(residual, u_emit.gather(1, num_accepted[:, None]).squeeze(1))
     tokens = torch.cat([drafts, last[:, None]], 1)
     tokens = torch.where(steps < num_accepted[:, None], tokens, -1)
     return tokens.scatter(1, num_accepted[:, None], last[:, None]), num_accepted
