@@ -165,8 +165,8 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Te
     (seed, position, salt): (h + 1/2) / 2^32 for h the murmur3 hash (x86, 32-bit) of the four
     32-bit halves of seed and position, keyed by the salt. 32 bits put every probability
     within 2^-32 of its exact value, far below float32 rounding of the probabilities themselves.
-    Each call is some sixty small tensor operations whatever its size: callers draw a step's
-    uniforms in as few calls as they can.
+    Each call is several dozen small tensor operations whatever its size: callers draw a
+    step's uniforms in as few calls as they can.
     """
     return uniforms(seeds, positions, (salt,))[0]
 
@@ -439,8 +439,8 @@ def _greedy_tree_verify(
         steps.append(torch.where(found, current, -1))
     path = torch.stack(steps, 1) if steps else parents[:, :0]  # [B, depth]
     accepted = (path >= 0).sum(1)
-    rows = torch.cat([torch.zeros_like(path[:, :1]), path + 1], 1)  # root, then the path
-    tokens = argmax.gather(1, rows.clamp(min=0))
+    rows = torch.cat([torch.zeros_like(path[:, :1]), path + 1], 1)  # root, path (-1 -> root)
+    tokens = argmax.gather(1, rows)
     positions = torch.arange(depth + 1, device=path.device)
     return torch.where(positions <= accepted[:, None], tokens, -1), accepted, path
 
