@@ -244,10 +244,19 @@ def decode_steps(records: list[dict], batch: int) -> tuple[list[float], list[flo
     tokens per sequence."""
     plans = {r["step"]: r for r in records if r["stage"] == "plan"}
     ends = {r["step"]: r["end"] for r in records if r["stage"] == "refill"}
-    full = sorted(s for s, p in plans.items() if p["kind"] == "decode" and p["batch_size"] == batch)
-    chosen = [s for s in full if s - 1 in plans and s - 1 in full and s in ends and s - 1 in ends]
+    chosen = decode_step_ids(records, batch)
     steps = [ends[s] - ends[s - 1] for s in chosen]
     return steps, [plans[s]["num_tokens"] / batch for s in chosen]
+
+
+def decode_step_ids(records: list[dict], batch: int) -> list[int]:
+    """The steps `decode_steps` times: full-batch decode steps after another such step, both
+    with their refill recorded."""
+    plans = {r["step"]: r for r in records if r["stage"] == "plan"}
+    ends = {r["step"] for r in records if r["stage"] == "refill"}
+    full = sorted(s for s, p in plans.items() if p["kind"] == "decode" and p["batch_size"] == batch)
+    members = set(full)
+    return [s for s in full if s - 1 in members and s in ends and s - 1 in ends]
 
 
 def time_forward(
