@@ -21,8 +21,8 @@ loop's publish and plan, which hold the GIL while the compute thread waits, and 
 hand-offs. Per stage the table also shows its time and, in parentheses, its forwards.
 
 The cells run as bench.speed's (its runners, configurations and forwards timed alone), one
-request per batch slot, repeats interleaved over the methods; values are medians over the
-repeats of each repeat's mean per step.
+request per batch slot, repeats interleaved over the methods; values are means per step over
+all the repeats (means, so that the parts add up; bench.speed reports medians).
 """
 
 from __future__ import annotations
@@ -111,23 +111,21 @@ def split_steps(
 
 
 def row(name: str, splits: list[dict[str, float]], alone: list[float]) -> dict[str, Any]:
-    """One method's medians (ms) over the repeats; alone: each repeat's forwards timed alone."""
-    repeats = [
-        {
-            "step_ms": split["step"],
-            "alone_ms": forwards,
-            "in_engine_ms": split["in_forwards"],
-            "slower_ms": split["in_forwards"] - forwards,
-            "host_ms": sum(split[st] - split[f"{st}_forwards"] for st in STAGES),
-            "between_ms": split["between"],
-        }
-        for split, forwards in zip(splits, alone, strict=True)
-    ]
+    """One method's means (ms) over the repeats; alone: each repeat's forwards timed alone.
+    Means, so that the parts add up: step - alone = slower + host + between."""
+    mean = lambda values: statistics.fmean(values) * 1e3  # noqa: E731
     out: dict[str, Any] = {"method": name}
-    out |= {key: statistics.median(r[key] for r in repeats) * 1e3 for key in repeats[0]}
-    out["efficiency"] = statistics.median(r["alone_ms"] / r["step_ms"] for r in repeats)
-    med = lambda key: statistics.median(s[key] for s in splits) * 1e3  # noqa: E731
-    out["stages_ms"] = {st: [med(st), med(f"{st}_forwards")] for st in STAGES}
+    out["step_ms"] = mean(s["step"] for s in splits)
+    out["alone_ms"] = mean(alone)
+    out["in_engine_ms"] = mean(s["in_forwards"] for s in splits)
+    out["slower_ms"] = out["in_engine_ms"] - out["alone_ms"]
+    out["host_ms"] = mean(sum(s[st] - s[f"{st}_forwards"] for st in STAGES) for s in splits)
+    out["between_ms"] = mean(s["between"] for s in splits)
+    out["efficiency"] = out["alone_ms"] / out["step_ms"]
+    out["stages_ms"] = {
+        st: [mean(s[st] for s in splits), mean(s[f"{st}_forwards"] for s in splits)]
+        for st in STAGES
+    }
     return out
 
 
