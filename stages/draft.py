@@ -93,6 +93,17 @@ def draft_chain(
     return Drafts(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None)
 
 
+def refill_columns(num_accepted: torch.Tensor, width: int) -> int:
+    """How many of a refill's `width` columns (one per verified position, from the step's
+    first) to run: up to the longest accepted prefix and the emitted token after it; the
+    columns past it lie past the committed length, where nothing reads them before the next
+    step rewrites them. On the CPU the accepted counts are already on the host, so the
+    refill skips those columns; an accelerator runs them all (fixed shapes, no sync)."""
+    if num_accepted.device.type != "cpu":
+        return width
+    return min(width, int(num_accepted.max()) + 1)
+
+
 def tree_ancestors(parents: torch.Tensor, depth: int) -> torch.Tensor:
     """[B, N, N] bool, node j is an ancestor of node i or i itself, for parents [B, N] (-1:
     the root) of a tree no deeper than `depth`."""

@@ -24,6 +24,7 @@ from stages.draft import (
     Verdict,
     draft_chain,
     probe_head,
+    refill_columns,
     tree_ancestors,
     tree_drafts,
 )
@@ -96,14 +97,16 @@ class EagleDrafter:
         return draft_chain(plan, dev, logits, feature, step, self.sampled)
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
-        """Pairs (emitted token j, target feature at base + j) at positions base + j, for all
-        j <= k (fixed shapes): the rows past the accepted count a lie past the committed length,
-        where nothing reads them before the next step rewrites them. Row a is deferred."""
+        """Pairs (emitted token j, target feature at base + j) at positions base + j, for
+        j < m (`refill_columns`: at most k + 1); the rows past a sequence's accepted count a
+        lie past its committed length, where nothing reads them before the next step rewrites
+        them. Row a is deferred."""
         b, w = plan.batch_size, plan.width
-        tokens = verdict.tokens.clamp(min=0)  # [B, W]
-        features = out.hidden.view(b, w, -1)  # [B, W, H] targets' f_base .. f_{base+k}
-        positions = dev.base[:, None] + torch.arange(w, device=tokens.device)  # [B, W]
-        slots = dev.tail_slots[:, :w]
+        m = refill_columns(verdict.num_accepted, w)
+        tokens = verdict.tokens[:, :m].clamp(min=0)  # [B, m]
+        features = out.hidden.view(b, w, -1)[:, :m]  # [B, m, H] targets' f_base ..
+        positions = dev.base[:, None] + torch.arange(m, device=tokens.device)  # [B, m]
+        slots = dev.tail_slots[:, :m]
         self._defer(dev, None, tokens, features, positions, slots, verdict.num_accepted)
 
     def _defer(self, dev, index, tokens, features, positions, slots, accepted) -> None:
@@ -169,12 +172,13 @@ class EagleTreeDrafter(EagleDrafter):
         b, d = path.shape
         move_tree_path(self.target_cache, dev.tail_slots, path, accepted)
         # pairs (emitted token j, target feature at base + j): the root's row, then the path's
-        rows = torch.cat([torch.zeros_like(path[:, :1]), 1 + path.clamp(min=0)], 1)  # [B, D+1]
+        m = refill_columns(accepted, d + 1)
+        rows = torch.cat([torch.zeros_like(path[:, :1]), 1 + path[:, : m - 1].clamp(min=0)], 1)
         hidden = out.hidden.view(b, plan.width, -1)
-        features = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[2]))
-        positions = dev.base[:, None] + torch.arange(d + 1, device=path.device)  # [B, D + 1]
-        tokens = verdict.tokens[:, : d + 1].clamp(min=0)
-        self._defer(dev, None, tokens, features, positions, dev.tail_slots[:, : d + 1], accepted)
+        features = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[2]))  # [B, m, H]
+        positions = dev.base[:, None] + torch.arange(m, device=path.device)  # [B, m]
+        tokens = verdict.tokens[:, :m].clamp(min=0)
+        self._defer(dev, None, tokens, features, positions, dev.tail_slots[:, :m], accepted)
 
     def roots(self, dev: DevicePlan) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probabilities [B, V] of the root's children, the head feature [B, H] paired

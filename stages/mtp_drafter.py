@@ -20,7 +20,14 @@ from engine.scheduler import Sequence
 from kv.cache import KVCache
 from models.attention import AttentionMetadata, TorchPagedAttention
 from models.mtp import MTPHead
-from stages.draft import Drafts, TargetOutput, Verdict, draft_chain, probe_head
+from stages.draft import (
+    Drafts,
+    TargetOutput,
+    Verdict,
+    draft_chain,
+    probe_head,
+    refill_columns,
+)
 from stages.plan import DevicePlan, Plan, drafter_metadata
 
 
@@ -83,18 +90,19 @@ class MTPDrafter:
         """Rewrite the head's KV over the committed span with the target's hidden states.
 
         With a accepted, the pairs at positions base+1 .. base+a+1 are (d_1, H_base), ...,
-        (d_a, H_{base+a-1}), (x, H_{base+a}) with x the emitted token. All k + 1 pairs run (the
-        drafts past a, and x in place of d_{a+1}); those past base+a+1 lie beyond the committed
-        length, where the next step rewrites them before reading. The outputs at row a are
-        deferred."""
+        (d_a, H_{base+a-1}), (x, H_{base+a}) with x the emitted token. The first m pairs run
+        (`refill_columns`: at most k + 1; the drafts past a, and x in place of d_{a+1}); those
+        past base+a+1 lie beyond the committed length, where the next step rewrites them
+        before reading. The outputs at row a are deferred."""
         b, w = plan.batch_size, plan.width
         a = verdict.num_accepted  # [B]
+        m = refill_columns(a, w)
         inputs = out.input_ids.view(b, w)  # [B, k + 1]: last committed token, then drafts
         emitted = verdict.tokens.gather(1, a[:, None])  # [B, 1]
         ids = torch.cat((inputs[:, 1:], inputs[:, :1]), 1).scatter(1, a[:, None], emitted)
-        hidden = out.hidden.view(b, w, -1)  # [B, k + 1, H] H_base .. H_{base+k}
-        positions = dev.base[:, None] + 1 + torch.arange(w, device=a.device)  # [B, k + 1]
-        h = self._forward(dev, None, ids, hidden, positions, dev.tail_slots[:, 1:])
+        hidden = out.hidden.view(b, w, -1)[:, :m]  # [B, m, H] H_base ..
+        positions = dev.base[:, None] + 1 + torch.arange(m, device=a.device)  # [B, m]
+        h = self._forward(dev, None, ids[:, :m], hidden, positions, dev.tail_slots[:, 1 : m + 1])
         self._defer(dev.rows, h.gather(1, a[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0])
 
     def _defer(self, rows: torch.Tensor, hidden: torch.Tensor) -> None:
