@@ -181,10 +181,9 @@ class EagleTreeDrafter(EagleDrafter):
         self._defer(dev, None, tokens, features, positions, dev.tail_slots[:, :m], accepted)
 
     def roots(self, dev: DevicePlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probabilities [B, V] of the root's children, the head feature [B, H] paired
-        with them): the deferred outputs, so the first level costs no forward."""
-        logits = self.deferred_logits[dev.rows]
-        return logits.float().log_softmax(-1), self.deferred_hidden[dev.rows]
+        """(logits [B, V] of the root's children, the head feature [B, H] paired with them):
+        the deferred outputs, so the first level costs no forward."""
+        return self.deferred_logits[dev.rows].float(), self.deferred_hidden[dev.rows]
 
     def expand(
         self,
@@ -195,8 +194,8 @@ class EagleTreeDrafter(EagleDrafter):
         features: torch.Tensor,  # [B, m, H] their parents' head features
         visible: torch.Tensor,  # [B or 1, m, S] bool: each node's path among scratch nodes
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the head over m tree nodes per sequence; returns (log-probabilities [B, m, V] of
-        their children, their head features [B, m, H])."""
+        """Run the head over m tree nodes per sequence; returns (logits [B, m, V] of their
+        children, their head features [B, m, H])."""
         b, m = ids.shape
         scratch, kv_slots, committed, shared = self._tree_keys(dev)
         mask = torch.cat([committed.expand(b, m, -1), visible.expand(b, m, -1)], 2)
@@ -213,7 +212,7 @@ class EagleTreeDrafter(EagleDrafter):
         flat = features.reshape(b * m, -1)
         hidden = self.head(ids.flatten(), flat, positions.flatten(), self._attention(small))
         logits = self.head.logits(hidden)  # [B * m, V]
-        return logits.float().log_softmax(-1).view(b, m, -1), hidden.view(b, m, -1)
+        return logits.float().view(b, m, -1), hidden.view(b, m, -1)
 
     def _tree_keys(self, dev: DevicePlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
         """The keys a step's tree nodes see, the same at every level (built once a step):
@@ -234,7 +233,8 @@ class EagleTreeDrafter(EagleDrafter):
 class FixedTree:
     """A fixed tree given as paths of child ranks (Medusa / EAGLE style): path (0, 2) is the
     third-best child of the root's best child. Nodes are ordered by depth, then path, so that
-    parents come first and any prefix of the nodes is a tree."""
+    parents come first, each depth's nodes are consecutive and any prefix of the nodes is a
+    tree."""
 
     def __init__(self, paths: tuple[tuple[int, ...], ...], device: torch.device):
         order = sorted(paths, key=lambda p: (len(p), p))
@@ -248,20 +248,26 @@ class FixedTree:
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)
         self.parents, self.depths = as_tensor(parents), as_tensor([len(p) for p in order])
         self.ancestors = tree_ancestors(self.parents[None], self.depth)  # [1, N, N]
-        self.levels = []  # per depth: (nodes, their parents' position among the run, ranks)
-        self.runs = []  # per depth < max: (first scratch index, nodes run, parents' scratch)
+        # per depth: (where its nodes sit among the flattened top children [m * width] of the
+        # m nodes run at the depth above, width = the worst rank taken + 1)
+        self.levels: list[tuple[torch.Tensor, int]] = []
+        # per depth < max: (first scratch index, the run nodes' places among the depth's
+        # nodes, their parents' places among the nodes run above (None: the root), [1, m, S]
+        # the scratch nodes on each run node's path)
+        self.runs: list[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+        above = [-1]  # the nodes run at the depth above (the root first)
         for level in range(1, self.depth + 1):
             nodes = [i for i, p in enumerate(order) if len(p) == level]
-            ran = [e for e in inner if len(order[e]) == level - 1]
-            where = [ran.index(parents[i]) if level > 1 else 0 for i in nodes]
-            ranks = [order[i][-1] for i in nodes]
-            self.levels.append((as_tensor(nodes), as_tensor(where), as_tensor(ranks), max(ranks)))
+            width = max(order[i][-1] for i in nodes) + 1
+            flat = [above.index(parents[i]) * width + order[i][-1] for i in nodes]
+            self.levels.append((as_tensor(flat), width))
             if level < self.depth:
                 run = [e for e in inner if len(order[e]) == level]
-                feeds = [scratch[parents[e]] if level > 1 else -1 for e in run]
-                self.runs.append(
-                    (scratch[run[0]], run, feeds, self._visible(run, parents, scratch))
-                )
+                feeds = as_tensor([above.index(parents[e]) for e in run]) if level > 1 else None
+                places = as_tensor([nodes.index(e) for e in run])
+                visible = self._visible(run, parents, scratch)
+                self.runs.append((scratch[run[0]], places, feeds, visible))
+                above = run
 
     def _visible(self, run: list[int], parents: list[int], scratch: dict[int, int]) -> torch.Tensor:
         """[1, m, S] bool: the scratch nodes on each run node's path, itself included."""
@@ -274,25 +280,27 @@ class FixedTree:
 
     def draft(self, d: EagleTreeDrafter, dev: DevicePlan, n: int):
         """(tokens, parents, depths) [B, n] of the first n nodes, and their ancestors [B, n, n]
-        (a prefix of the nodes is a tree: its ancestors are a corner of the whole tree's)."""
-        logp, feature = d.roots(dev)  # [B, V], [B, H]
-        b = logp.shape[0]
-        tokens = torch.full((b, self.size), -1, dtype=torch.long, device=logp.device)
-        children = logp[:, None]  # [B, m, V] log-probabilities of the children of the run nodes
-        outputs = feature.new_zeros(b, self.scratch_size, feature.shape[1])  # [B, S, H]
-        for level, (nodes, where, ranks, worst) in enumerate(self.levels, start=1):
-            top = children.topk(worst + 1, dim=-1).indices  # [B, m, worst rank + 1]
-            tokens[:, nodes] = top[:, where, ranks]
+        (a prefix of the nodes is a tree: its ancestors are a corner of the whole tree's).
+        Children are ranked by the head's logits (the same order as its probabilities)."""
+        logits, hidden = d.roots(dev)  # [B, V], [B, H]
+        b = logits.shape[0]
+        children, hidden = logits[:, None], hidden[:, None]  # the nodes run: the root
+        tokens = []  # per depth [B, its nodes]
+        for level, (flat, width) in enumerate(self.levels, start=1):
+            top = children.topk(width, dim=-1).indices.flatten(1)  # [B, m * width]
+            tokens.append(top.index_select(1, flat))
             if level == self.depth:
                 break
-            first, run, feeds, visible = self.runs[level - 1]
-            ids = tokens[:, run]
-            fed = feature[:, None].expand(b, len(run), -1) if level == 1 else outputs[:, feeds]
+            first, places, feeds, visible = self.runs[level - 1]
+            ids = tokens[-1].index_select(1, places)  # [B, m] the nodes run at this depth
+            if feeds is None:
+                fed = hidden.expand(b, len(places), -1)
+            else:
+                fed = hidden.index_select(1, feeds)
             children, hidden = d.expand(dev, level, first, ids, fed, visible)
-            outputs[:, first : first + len(run)] = hidden
         expand = lambda t: t[None, :n].expand(b, -1)
         ancestors = self.ancestors[:, :n, :n].expand(b, -1, -1)
-        return tokens[:, :n], expand(self.parents), expand(self.depths), ancestors
+        return torch.cat(tokens, 1)[:, :n], expand(self.parents), expand(self.depths), ancestors
 
 
 class DynamicTree:
@@ -310,7 +318,8 @@ class DynamicTree:
     def draft(self, d: EagleTreeDrafter, dev: DevicePlan, n: int):
         """(tokens, parents, depths) [B, n]; ancestors None (tree_drafts finds them)."""
         k, s = self.topk, self.scratch_size
-        logp, feature = d.roots(dev)  # [B, V], [B, H]
+        logits, feature = d.roots(dev)  # [B, V], [B, H]
+        logp = logits.log_softmax(-1)
         b, device = logp.shape[0], logp.device
         score, token = logp.topk(k)  # [B, k] the newest level's candidates
         scores, tokens, parents = [score], [token], [torch.full_like(token, -1)]
@@ -329,7 +338,7 @@ class DynamicTree:
             ids = token.gather(1, pick)
             inputs = fed.gather(1, pick[..., None].expand(-1, -1, fed.shape[2]))
             children, hidden = d.expand(dev, level, first, ids, inputs, row)
-            child_score, child = children.topk(k)  # [B, k, k]
+            child_score, child = children.log_softmax(-1).topk(k)  # [B, k, k]
             score = (score.gather(1, pick)[..., None] + child_score).flatten(1)  # [B, k * k]
             token = child.flatten(1)
             parents.append((start + pick).repeat_interleave(k, 1))
