@@ -19,7 +19,7 @@ from models.eagle import save_eagle_head
 from models.loader import load_model
 from server import config_from_args
 from stages import eagle_drafter
-from stages.draft import tree_ancestors, tree_drafts
+from stages.draft import refill_columns, tree_ancestors, tree_drafts
 from stages.eagle_drafter import _best
 from stages.refill import move_tree_path
 from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
@@ -98,6 +98,14 @@ def test_ancestors_and_mask_follow_the_paths():
     for i in range(len(PARENTS)):
         seen = drafts.mask[0, 1 + i].nonzero().flatten().tolist()
         assert seen == list(range(base + 1)) + [base + 1 + j for j in path_of(i)]
+
+
+def test_refill_runs_up_to_the_longest_accepted_prefix_on_the_cpu():
+    accepted = torch.tensor([0, 2, 1])
+    assert refill_columns(accepted, width=5) == 3  # accepted drafts and the emitted token
+    assert refill_columns(torch.tensor([4]), width=5) == 5
+    # elsewhere the accepted counts stay on the device: every column runs, no sync
+    assert refill_columns(accepted.to("meta"), width=5) == 5
 
 
 def test_fixed_tree_ancestors_hold_for_every_prefix():
