@@ -37,7 +37,7 @@ class DraftModelDrafter:
         if emit.numel():
             # the sampled token goes into the draft's KV too; its logits wait for the decode
             zero = torch.zeros_like(emit)
-            self._catch_up(dev, emit, out.input_ids[dev.logits_index[emit]], verdict, zero)
+            self._catch_up(dev, emit, None, verdict, zero)
 
     def propose(self, plan: Plan, dev: DevicePlan) -> Drafts:
         def step(token: torch.Tensor, state: None, j: int) -> tuple[torch.Tensor, None]:
@@ -48,9 +48,14 @@ class DraftModelDrafter:
         return draft_chain(plan, dev, self.deferred[dev.rows], None, step, self.sampled)
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
-        inputs = out.input_ids.view(plan.batch_size, plan.width)
-        last_input = inputs.gather(1, verdict.num_accepted[:, None]).squeeze(1)
-        self._catch_up(dev, None, last_input, verdict, verdict.num_accepted)
+        a = verdict.num_accepted
+        last_input = None
+        # Drafting fed the draft d_1 .. d_{k-1}: only d_k, when some sequence accepted it, still
+        # lacks its KV. On the CPU the counts are on the host and a step that needs no d_k runs
+        # one token; an accelerator always runs two (fixed shapes, no sync).
+        if plan.k and (a.device.type != "cpu" or int(a.max()) == plan.k):
+            last_input = out.input_ids.view(plan.batch_size, plan.width).gather(1, a[:, None])[:, 0]
+        self._catch_up(dev, None, last_input, verdict, a)
 
     def probe(self, num_tokens: int) -> None:
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.deferred.device)
@@ -58,16 +63,20 @@ class DraftModelDrafter:
         self.model.logits(hidden)
 
     def _catch_up(self, dev, index, last_input, verdict, accepted) -> None:
-        """Run the draft over the last accepted input and the emitted token (positions
-        base + a and base + a + 1); rewriting the first is harmless and keeps shapes fixed."""
+        """Run the draft over the emitted token (position base + a + 1), after the last accepted
+        input (position base + a) when given: for a sequence whose input there already has its
+        KV, rewriting it is harmless and keeps shapes fixed."""
         pick = (lambda t: t) if index is None else (lambda t: t[index])
-        a = accepted
-        emitted = pick(verdict.tokens).gather(1, a[:, None]).squeeze(1)
-        ids = torch.stack([last_input, emitted], 1)  # [E, 2]
-        positions = pick(dev.base)[:, None] + a[:, None] + torch.arange(2, device=a.device)
-        slots = pick(dev.tail_slots).gather(1, torch.stack([a, a + 1], 1))
+        a = accepted[:, None]
+        ids = pick(verdict.tokens).gather(1, a)  # [E, 1] the emitted token
+        first = 1
+        if last_input is not None:
+            ids, first = torch.cat((last_input[:, None], ids), 1), 0
+        columns = torch.arange(first, 2, device=a.device)
+        positions = pick(dev.base)[:, None] + a + columns
+        slots = pick(dev.tail_slots).gather(1, a + columns)
         logits = self._forward(dev, index, ids, positions, slots)
-        self.deferred[pick(dev.rows)] = logits[:, 1]
+        self.deferred[pick(dev.rows)] = logits[:, -1]
 
     def _forward(self, dev, index, ids, positions, slots) -> torch.Tensor:
         """Draft logits [E, m, V] for m tokens per sequence (ids, positions, slots [E, m])."""
