@@ -13,7 +13,9 @@ first output token of a prompt of length L has position L.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from engine.request import SamplingParams
@@ -109,52 +111,62 @@ class PenaltyState:
         return cls(counts, prompt_mask)
 
 
-# ---- random numbers: murmur3 over 32-bit words held in int64, never overflowing ----
+# ---- random numbers: murmur3 over 32-bit words ----
+# On a device, the words are held in int64 tensors and never overflow; on the CPU, in numpy
+# uint32 arrays, whose arithmetic wraps as murmur3's does: the same bits at a third of the cost
+# of torch's small operations (a step hashes a handful of positions). `Words` is either.
+Words = Any
+HOST_HASH_DEVICES = frozenset({"cpu"})  # device types whose uniforms numpy hashes
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+def _mul32(x: Words, c: int) -> Words:
+    if isinstance(x, np.ndarray):
+        return x * np.uint32(c)
     # x * c mod 2^32 with c split in 16-bit halves: every product stays below 2^49
     low = x * (c & 0xFFFF)
     high = ((x * (c >> 16)) & 0xFFFF) << 16
     return (low + high) & _MASK32
 
 
-def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
+def _rotl32(x: Words, r: int) -> Words:
     return ((x << r) & _MASK32) | (x >> (32 - r))
 
 
-def _mix(h: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def _mix(h: Words, k: Words) -> Words:
     """One 32-bit word k into the murmur3 state h."""
     k = _mul32(_rotl32(_mul32(k, 0xCC9E2D51), 15), 0x1B873593)
     return (_rotl32(h ^ k, 13) * 5 + 0xE6546B64) & _MASK32
 
 
-def _finish(h: torch.Tensor, num_words: int) -> torch.Tensor:
+def _finish(h: Words, num_words: int) -> Words:
     h = h ^ (4 * num_words)
     h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
     h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
     return h ^ (h >> 16)
 
 
-def _words(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The low and high 32-bit halves of int64 values."""
-    return x & _MASK32, (x >> 32) & _MASK32
+def _words(x: Words) -> tuple[Words, Words]:
+    """The low and high 32-bit halves of int64 values (as uint32 for a numpy array)."""
+    low, high = x & _MASK32, (x >> 32) & _MASK32
+    if isinstance(x, np.ndarray):
+        return low.astype(np.uint32), high.astype(np.uint32)
+    return low, high
 
 
-# salt -> (seeds, the hash state after their words): the last seeds tensor seen per salt, which
-# a batch passes step after step (its SamplingTensors are reused), so that each step hashes
-# only the positions' words. Held by reference, so an identical object is the same seeds.
-_seed_states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+# (salt, on the host) -> (seeds, the hash state after their words): the last seeds tensor seen
+# per salt, which a batch passes step after step (its SamplingTensors are reused), so that each
+# step hashes only the positions' words. Held by reference: an identical object, same seeds.
+_seed_states: dict[tuple[int, bool], tuple[torch.Tensor, Words]] = {}
 
 
-def _seed_state(seeds: torch.Tensor, salt: int) -> torch.Tensor:
-    cached = _seed_states.get(salt)
+def _seed_state(seeds: torch.Tensor, salt: int, host: bool) -> Words:
+    cached = _seed_states.get((salt, host))
     if cached is not None and cached[0] is seeds:
         return cached[1]
-    h = torch.full_like(seeds, salt & _MASK32)
-    for word in _words(seeds):
+    h: Words = np.full(seeds.shape, salt, np.uint32) if host else torch.full_like(seeds, salt)
+    for word in _words(seeds.numpy() if host else seeds):
         h = _mix(h, word)
-    _seed_states[salt] = (seeds, h)
+    _seed_states[(salt, host)] = (seeds, h)
     return h
 
 
@@ -173,13 +185,15 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Te
 
 def uniforms(seeds: torch.Tensor, positions: torch.Tensor, salts: tuple[int, ...]) -> torch.Tensor:
     """[len(salts), *positions.shape]: `uniform` for several salts in one call."""
-    positions = positions.long()
-    seeds = seeds.long()
-    h = torch.stack([_seed_state(seeds, salt) for salt in salts])  # [S, B]
-    h = h.reshape(*h.shape, *([1] * (positions.dim() - 1))).expand(len(salts), *positions.shape)
-    for word in _words(positions):
+    host = positions.device.type in HOST_HASH_DEVICES
+    seeds, positions = seeds.long(), positions.long()
+    states = [_seed_state(seeds, salt, host) for salt in salts]
+    h = np.stack(states) if host else torch.stack(states)  # [S, B]
+    h = h.reshape(*h.shape, *([1] * (positions.dim() - 1)))  # broadcast over the positions
+    for word in _words(positions.numpy() if host else positions):
         h = _mix(h, word)
-    return (_finish(h, 4).double() + 0.5) * 2.0**-32
+    h = _finish(h, 4)
+    return torch.from_numpy((h + 0.5) * 2.0**-32) if host else (h.double() + 0.5) * 2.0**-32
 
 
 # ---- logits processing ----

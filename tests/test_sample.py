@@ -4,6 +4,7 @@ distributions (chi-square, fixed seeds, so every run draws the same numbers)."""
 import pytest
 import torch
 
+import stages.sample as sample_module
 from engine.request import SamplingParams
 from stages.sample import (
     SALT_ACCEPT,
@@ -81,7 +82,16 @@ def chi_square_pvalue(values: torch.Tensor, probs: torch.Tensor) -> float:
 # ---- random numbers ----
 
 
-def test_uniform_is_a_pure_function_in_the_open_interval():
+@pytest.fixture(params=["numpy", "torch"])
+def hash_words(request, monkeypatch):
+    """Both murmur3 paths on the CPU: numpy's uint32 words (the CPU's) and the int64 tensors
+    an accelerator hashes with."""
+    if request.param == "torch":
+        monkeypatch.setattr(sample_module, "HOST_HASH_DEVICES", frozenset())
+    return request.param
+
+
+def test_uniform_is_a_pure_function_in_the_open_interval(hash_words):
     seeds = torch.tensor([0, 1, -5, 2**62, -(2**63), 2**63 - 1])
     positions = torch.tensor([0, 0, 3, 2**40, 7, -1])
     u = uniform(seeds, positions, SALT_SAMPLE)
@@ -106,7 +116,7 @@ def murmur3_32(data: bytes, seed: int) -> int:
     return h ^ (h >> 16)
 
 
-def test_uniform_is_murmur3_of_seed_and_position_whatever_seeds_came_before():
+def test_uniform_is_murmur3_of_seed_and_position_whatever_seeds_came_before(hash_words):
     # the seed half of the hash is kept for the last seeds tensor per salt: a different one,
     # then the first again, must each give their own hashes
     first, other = torch.tensor([3, -(2**63), 2**40 + 7]), torch.tensor([4, 5, 6])
