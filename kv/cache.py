@@ -29,6 +29,8 @@ class KVCache:
         self.data = torch.zeros(
             num_layers, num_pages, 2, page_size, num_kv_heads, head_dim, dtype=dtype, device=device
         )
+        # each layer's rows, made once: attention reads them every layer of every forward
+        self._layer_rows = [layer.view(-1, num_kv_heads, head_dim) for layer in self.data]
 
     @property
     def num_pages(self) -> int:
@@ -36,7 +38,7 @@ class KVCache:
 
     def layer_rows(self, layer: int) -> torch.Tensor:
         """[pages * 2 * page_size, kv_heads, head_dim] view of one layer."""
-        return self.data[layer].view(-1, self.num_kv_heads, self.head_dim)
+        return self._layer_rows[layer]
 
     def key_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """Row of each slot's key in `layer_rows` (same shape as `slots`)."""

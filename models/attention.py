@@ -112,8 +112,8 @@ class TorchPagedAttention:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         store = self.cache.layer_rows(layer)  # [pages * 2 * page_size, Hkv, D]
-        store[self.write_rows[0]] = k.to(store.dtype)
-        store[self.write_rows[1]] = v.to(store.dtype)
+        store[self.write_rows[0]] = cast(k, store.dtype)
+        store[self.write_rows[1]] = cast(v, store.dtype)
         meta = self.meta
         b, qmax, lmax = meta.num_seqs, meta.max_q, meta.kv_slots.shape[1]
         hq, d = q.shape[1], q.shape[2]
@@ -125,11 +125,16 @@ class TorchPagedAttention:
         q_pad = q_pad.view(b, qmax, hkv, self.group, d).permute(0, 2, 3, 1, 4)
         q_pad = q_pad.reshape(b, hkv, self.group * qmax, d)
         torch.index_select(store, 0, self.read_rows, out=self.kv)
-        kv = self.kv.to(q.dtype).view(2, b, lmax, hkv, d)
-        keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [B, Hkv, Lmax, D]
+        kv = cast(self.kv, q.dtype).view(2, b, lmax, hkv, d)
+        keys, values = kv.transpose(2, 3).unbind(0)  # [B, Hkv, Lmax, D]
         out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=self.mask)
         out = out.view(b, hkv, self.group, qmax, d).permute(0, 3, 1, 2, 4).reshape(-1, hq, d)
         return out if self.dense else out[meta.q_index]
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype`; a tensor already in it costs no call (layers make several a forward)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 class CausalAttention:

@@ -105,4 +105,5 @@ class FlashInferAttention:
         store = self.cache.layer_rows(layer)  # [pages * 2 * page_size, Hkv, D]
         store[self.write_rows] = k.to(store.dtype)
         store[self.write_rows + self.cache.page_size] = v.to(store.dtype)
-        return self.wrapper.run(q, self.cache.data[layer])  # [T, Hq, D]
+        # q is a view into the rotated q|k rows (models/llama.py); the kernel reads dense rows
+        return self.wrapper.run(q.contiguous(), self.cache.data[layer])  # [T, Hq, D]

@@ -75,10 +75,10 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] rotated by cos, sin [T, 1, D] (the rotate-half convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """x [T, heads, D] rotated by cos, sin [T, 1, D] (the rotate-half convention), with `sin`'s
+    first half negated (`Rotary`): rotating half is then a roll, one operation instead of four,
+    and the product is bit for bit the same, (-a) * b being -(a * b)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class RMSNorm(nn.Module):
@@ -110,14 +110,14 @@ class SelfAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Attention
     ) -> torch.Tensor:
-        t = x.shape[0]
+        t, heads, d = x.shape[0], (self.num_heads, self.num_kv_heads), self.head_dim
         if self.qkv is None:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            qk, v = torch.cat((self.q_proj(x), self.k_proj(x)), -1), self.v_proj(x)
         else:
-            q, k, v = self.qkv.split(x)
-        q = rotate(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = rotate(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+            qk, v = self.qkv(x).split((sum(heads) * d, heads[1] * d), dim=-1)
+        # q and k rotated as one tensor: half the operations of rotating each
+        q, k = rotate(qk.view(t, sum(heads), d), cos, sin).split(heads, dim=1)
+        v = v.view(t, self.num_kv_heads, d)
         return self.o_proj(attn(self.layer, q, k, v).reshape(t, -1))
 
 
@@ -176,10 +176,10 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, head_dim] for positions [T]."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return angles.cos(), angles.sin()
+        """cos, sin [T, 1, head_dim] for positions [T], sin's first half negated (`rotate`)."""
+        freqs = positions.float()[:, None, None] * self.inv_freq  # [T, 1, head_dim / 2]
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
 class LlamaModel(nn.Module):
