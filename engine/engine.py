@@ -96,7 +96,7 @@ class AsyncEngine:
         self.device = torch.device(config.device)
         run_on_device(self.device, self._build)
         self.metrics = EngineMetrics(self.k)
-        self._update_gauges()
+        self.metrics.collect = self._update_gauges  # gauges are read when rendered
         self.tracer = Tracer(config.trace_file)
         self.outputs: dict[str, OutputStream] = {}
         self.streams: dict[str, RequestStream] = {}
@@ -180,7 +180,7 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._published = -1  # the last step whose tokens reached the requests
         self._last_publish = time.monotonic()
-        self._published_cond = asyncio.Condition()
+        self._publishes = asyncio.Event()  # set at each publish
         self._completed: dict[int, Plan] = {}  # steps whose pages wait for their device work
         # the last batch's requests and the sampling tensors built for them
         self._sampling: tuple[list[Request], SamplingTensors] | None = None
@@ -267,16 +267,14 @@ class AsyncEngine:
         # insert kernel settles the lengths on the device); other speculation needs them.
         lag = 2 if self.config.pipelined and (not self.k or self.no_sync) else 1
         for step in itertools.count():
-            async with self._published_cond:
-                await self._published_cond.wait_for(partial(self._ready, step - lag))
+            while self._published < step - lag:
+                self._publishes.clear()
+                await self._publishes.wait()
             while (plan := self._plan(step)) is None:
                 await self._idle()
             await self._upload(plan)
             self._submit_stages(plan)
             outbox.put_nowait(plan)
-
-    def _ready(self, needed: int) -> bool:
-        return self._published >= needed
 
     async def _idle(self) -> None:
         """Nothing to run: wait for a step to complete (its pages come back) or for news."""
@@ -405,15 +403,10 @@ class AsyncEngine:
             # the loop wakes once a step: the refill's end is seen by the next publish or plan
             # (a second wake a step cost the demo's decoding 7-8%: each takes the GIL from
             # the compute thread)
-            await self._mark_published(plan.step)
-            if not self._release_completed():
-                self._update_gauges()
+            self._published = plan.step
+            self._publishes.set()
+            self._release_completed()
             self._wake.set()
-
-    async def _mark_published(self, step: int) -> None:
-        async with self._published_cond:
-            self._published = step
-            self._published_cond.notify_all()
 
     async def _fetch(self, plan: Plan) -> dict[str, list]:
         """The step's sampled tokens on the host."""
@@ -524,24 +517,19 @@ class AsyncEngine:
             if seq.request is request:
                 self.scheduler.release(seq, seq.last_step + 1)
         self.metrics.finish(request.finish_reason or FinishReason.ABORT)
-        self._update_gauges()
         self._wake.set()
 
-    def _release_completed(self) -> bool:
+    def _release_completed(self) -> None:
         """Hand back the pages of the steps whose device work has ended, in step order, and
-        show the cost model their times; whether any step was."""
-        released = False
-        for step, plan in sorted(self._completed.items()):
+        show the cost model their times."""
+        for step in sorted(self._completed):
+            plan = self._completed[step]
             if not plan.events["refill"].done():
                 break
             self.allocator.release(step)
             del self._completed[step]
-            released = True
             if self.cost is not None and plan.kind == "decode":
                 self.cost.observe(plan.batch_size, plan.k, plan.device_seconds)
-        if released:
-            self._update_gauges()
-        return released
 
 
 async def _settled(event: Event) -> None:

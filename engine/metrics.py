@@ -7,7 +7,7 @@ import bisect
 import math
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.request import FinishReason
@@ -55,9 +55,9 @@ class _Metric:
         return [0.0]
 
     def _key(self, labels: dict[str, object]) -> tuple[str, ...]:
-        if set(labels) != set(self.label_names):
+        if len(labels) != len(self.label_names) or not all(n in labels for n in self.label_names):
             raise ValueError(f"{self.name} takes labels {self.label_names}, got {tuple(labels)}")
-        return tuple(str(labels[n]) for n in self.label_names)
+        return tuple([str(labels[n]) for n in self.label_names])
 
     def _view(self, labels: dict[str, object], make: type) -> Any:
         """The child object for these labels, made once (the engine updates some every step)."""
@@ -233,6 +233,9 @@ class EngineMetrics:
 
     def __init__(self, num_speculative_tokens: int = 0) -> None:
         r = self.registry = Registry()
+        # sets the gauges that describe a state (requests, pages) just before each render,
+        # rather than at every change of it
+        self.collect: Callable[[], None] | None = None
         self.requests_running = r.gauge("tandem_requests_running", "Requests being served.")
         self.requests_waiting = r.gauge("tandem_requests_waiting", "Requests waiting to start.")
         self.kv_pages_used = r.gauge("tandem_kv_pages_used", "KV pages held by requests.")
@@ -321,4 +324,6 @@ class EngineMetrics:
                 self.accepted_per_pos.labels(position=position).inc()
 
     def render(self) -> str:
+        if self.collect is not None:
+            self.collect()
         return self.registry.render()
