@@ -60,7 +60,7 @@ def choose_drafts(
     q, which the sampler then needs whole for the residual."""
     if u is None:
         return logits.argmax(-1), None
-    q = process_logits(logits[:, None].float(), st, None, None)[:, 0]
+    q = process_logits(logits[:, None], st)[:, 0]
     return draw(q, u), q
 
 

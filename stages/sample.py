@@ -214,22 +214,26 @@ def process_logits(
     sees what k plain steps would see), temperature, top-k (ties with the k-th kept), top-p,
     min-p. Greedy rows are one-hot at the argmax of the penalised logits.
     """
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    if logits.dtype != dtype:
+        logits = logits.to(dtype)
     if penalties is not None and st.any_penalty:
         logits = _apply_penalties(logits, st, penalties, draft_tokens)
     vocab = logits.shape[-1]
     if st.all_greedy:
         return _one_hot(logits.argmax(-1), vocab, logits.dtype)
-    greedy = st.temperature == 0  # [B]
-    greedy_probs = _one_hot(logits.argmax(-1), vocab, logits.dtype) if st.any_greedy else None
-    temperature = torch.where(greedy, 1.0, st.temperature)
+    temperature = st.temperature
+    if st.any_greedy:
+        greedy = temperature == 0  # [B]
+        greedy_probs = _one_hot(logits.argmax(-1), vocab, logits.dtype)
+        temperature = torch.where(greedy, 1.0, temperature)
     logits = logits / temperature[:, None, None]
     if st.any_top_k_or_p:
         logits = _top_k_top_p(logits, st.top_k, st.top_p)
     probs = logits.softmax(-1)
     if st.any_min_p:
         probs = _min_p(probs, st.min_p)
-    if greedy_probs is not None:
+    if st.any_greedy:
         probs = torch.where(greedy[:, None, None], greedy_probs, probs)
     return probs
 
