@@ -13,7 +13,7 @@ from engine.scheduler import Sequence
 from kv.cache import KVCache
 from models.attention import AttentionMetadata, CausalAttention, TorchPagedAttention
 from models.llama import LlamaModel
-from stages.draft import Drafts, TargetOutput, Verdict, draft_chain
+from stages.draft import Drafts, TargetOutput, Verdict, draft_chain, refill_columns
 from stages.plan import DevicePlan, Plan, drafter_metadata
 
 
@@ -50,10 +50,10 @@ class DraftModelDrafter:
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
         a = verdict.num_accepted
         last_input = None
-        # Drafting fed the draft d_1 .. d_{k-1}: only d_k, when some sequence accepted it, still
-        # lacks its KV. On the CPU the counts are on the host and a step that needs no d_k runs
-        # one token; an accelerator always runs two (fixed shapes, no sync).
-        if plan.k and (a.device.type != "cpu" or int(a.max()) == plan.k):
+        # Drafting fed the draft d_1 .. d_{k-1}: only d_k, when some sequence accepted it (the
+        # last of the refill's columns), still lacks its KV; `refill_columns` says whether it
+        # is run (on the CPU only when needed, on an accelerator always: fixed shapes)
+        if plan.k and refill_columns(a, plan.width) == plan.width:
             last_input = out.input_ids.view(plan.batch_size, plan.width).gather(1, a[:, None])[:, 0]
         self._catch_up(dev, None, last_input, verdict, a)
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from engine.request import SamplingParams
+from models.attention import cast
 
 SALT_SAMPLE = 0  # the token emitted at a position: plain decode, bonus, recovered, tree
 SALT_ACCEPT = 1  # the accept test of a sampled draft token
@@ -214,9 +215,7 @@ def process_logits(
     sees what k plain steps would see), temperature, top-k (ties with the k-th kept), top-p,
     min-p. Greedy rows are one-hot at the argmax of the penalised logits.
     """
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    if logits.dtype != dtype:
-        logits = logits.to(dtype)
+    logits = cast(logits, torch.promote_types(logits.dtype, torch.float32))
     if penalties is not None and st.any_penalty:
         logits = _apply_penalties(logits, st, penalties, draft_tokens)
     vocab = logits.shape[-1]
