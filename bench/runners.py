@@ -7,8 +7,12 @@ An engine cell's step time is the mean wall time of a decode step while the whol
 decodes (from the step timeline). After the cell, on the engine's compute thread, the target
 over the verify width and the drafter's forwards are timed alone at the cell's shapes and the
 context length seen (mean prompt plus half the new tokens). The drafter forwards of a chain
-step are k one-token forwards (k the mean number of draft tokens per speculative step), and of
-a tree step one forward per level over the nodes it expands (`tree_levels`).
+step are k - 1 one-token forwards (k the mean number of draft tokens per speculative step; the
+first draft comes from the deferred logits), of a tree step one forward per level over the
+nodes it expands (`tree_levels`); then the refill's forward, over the tokens a sequence it ran
+in each step (the step timeline's `drafter_tokens`: the draft model's 1 or 2, an EAGLE or MTP
+head's accepted drafts and emitted token), timed alone at each width seen and averaged over
+the steps.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import math
 import re
 import statistics
 import time
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,13 +85,14 @@ class Sample:
     gaps: list[float] = field(default_factory=list)  # per token after the first, seconds
     steps: list[float] = field(default_factory=list)  # full-batch decode step times, seconds
     widths: list[float] = field(default_factory=list)  # verify tokens per sequence, per step
+    refills: list[int] = field(default_factory=list)  # the refill forward's tokens a sequence
     spec_steps: int = 0  # per request, verify steps that speculated (summed)
     draft_tokens: int = 0
     accepted: int = 0
     drafts: float = 0.0  # drafts verified (the engine's metric)
     per_pos: list[float] = field(default_factory=list)  # drafts accepted through position i
     verify_s: float = math.nan  # the verify forward alone (target over the verify width)
-    drafting_s: float = 0.0  # a step's drafter forwards alone (chain: mean k of one token)
+    drafting_s: float = 0.0  # a step's drafter forwards alone, the refill's included
 
     @property
     def step_s(self) -> float:
@@ -134,19 +141,27 @@ class EngineRunner:
             ]
             await asyncio.gather(*(self._consume(s, start, sample) for s in streams))
             sample.seconds += time.perf_counter() - start
-            steps, widths = decode_steps(list(records), len(group))
+            steps, widths, refills = decode_steps(list(records), len(group))
             sample.steps += steps
             sample.widths += widths
+            sample.refills += refills
         after = spec_counters(self.engine.metrics.render())
         sample.drafts = after[0] - before[0]
         sample.per_pos = [a - b for a, b in zip(after[1], before[1], strict=False)]
         if sample.widths:
             width = max(1, round(statistics.fmean(sample.widths)))
-            shape = (len(groups[0]), context_seen(groups, max_tokens), width)
-            sample.verify_s, draft_s = await self._forwards(*shape)
             levels = tree_levels(self.engine.config.spec)
             chain_k = sample.draft_tokens / sample.spec_steps if sample.spec_steps else 0.0
-            sample.drafting_s = sum(draft_s[n] for n in levels) if levels else chain_k * draft_s[1]
+            # drafter forwards a step by tokens a sequence: drafting, and the refill's over all
+            # the steps (it keeps the logits of a sequence's last token only)
+            drafting = Counter(levels) if levels is not None else Counter({1: chain_k - 1})
+            refills = Counter(sample.refills)
+            shape = (len(groups[0]), context_seen(groups, max_tokens), width)
+            sample.verify_s, draft_s, refill_s = await self._forwards(*shape, drafting, refills)
+            sample.drafting_s = sum(n * draft_s[m] for m, n in drafting.items())
+            sample.drafting_s += sum(n * refill_s[m] for m, n in refills.items()) / len(
+                sample.refills
+            )
         return sample
 
     async def _consume(self, stream: Any, start: float, sample: Sample) -> None:
@@ -168,34 +183,40 @@ class EngineRunner:
                 sample.accepted += u.accepted_tokens
 
     async def _forwards(
-        self, batch: int, context: int, width: int
-    ) -> tuple[float, dict[int, float]]:
-        """Seconds of the verify forward and of a drafter forward over n tokens a sequence (for
-        each n a step drafts with), each timed alone at the cell's shapes on the engine's
-        compute stream, the thread that runs them in the engine."""
-        widths = set(tree_levels(self.engine.config.spec) or [1])
+        self, batch: int, context: int, width: int, drafting: Iterable[int], refills: Iterable[int]
+    ) -> tuple[float, dict[int, float], dict[int, float]]:
+        """Seconds of the verify forward, of a drafting forward over n tokens a sequence (each
+        n in `drafting`) and of a refill's (each n in `refills`), each timed alone at the
+        cell's shapes on the engine's compute stream, the thread that runs them in the engine."""
 
-        def timed_alone() -> tuple[float, dict[int, float]]:
+        def timed_alone() -> tuple[float, dict[int, float], dict[int, float]]:
             vocab, module = self.engine.vocab_size, self.draft_module
+
+            def times(widths: Iterable[int], last_logits: bool = False) -> dict[int, float]:
+                if module is None:
+                    return dict.fromkeys(widths, 0.0)
+                return {
+                    n: time_forward(module, vocab, batch, context, n, last_logits) if n else 0.0
+                    for n in widths
+                }
+
             verify = time_forward(self.engine.model, vocab, batch, context, width)
-            if module is None:
-                return verify, dict.fromkeys(widths, 0.0)
-            return verify, {n: time_forward(module, vocab, batch, context, n) for n in widths}
+            return verify, times(drafting), times(refills, last_logits=True)
 
         return await asyncio.wrap_future(self.engine.compute.submit(timed_alone).future)
 
 
 def tree_levels(spec: SpecConfig) -> list[int] | None:
-    """Tokens a sequence of each drafter forward of a tree step (None for a chain, which runs
-    k forwards of one token: k - 1 drafting, one refill). A tree's first level comes from the
-    deferred logits; a fixed tree runs the head over the nodes of each depth that have
-    children, a dynamic tree over top-k nodes a level; then the refill (taken as one token)."""
+    """Tokens a sequence of each drafting forward of a tree step, the refill's aside (None
+    for a chain, which drafts with k - 1 forwards of one token). A tree's first level comes
+    from the deferred logits; a fixed tree runs the head over the nodes of each depth that
+    have children, a dynamic tree over top-k nodes a level."""
     if spec.tree == "fixed":
         inner = {path[:-1] for path in spec.tree_paths if len(path) > 1}
         depth = max(len(path) for path in spec.tree_paths)
-        return [sum(len(node) == d for node in inner) for d in range(1, depth)] + [1]
+        return [sum(len(node) == d for node in inner) for d in range(1, depth)]
     if spec.tree == "dynamic":
-        return [spec.tree_topk] * (spec.tree_depth - 1) + [1]
+        return [spec.tree_topk] * (spec.tree_depth - 1)
     return None
 
 
@@ -238,15 +259,16 @@ def spec_counters(metrics_text: str) -> tuple[float, list[float]]:
     return (float(drafts.group(1)) if drafts else 0.0), per_pos
 
 
-def decode_steps(records: list[dict], batch: int) -> tuple[list[float], list[float]]:
+def decode_steps(records: list[dict], batch: int) -> tuple[list[float], list[float], list[int]]:
     """From a step timeline: the wall time of each decode step that follows another decode
     step of the whole batch (end of refill to end of refill), and each such step's verify
-    tokens per sequence."""
+    tokens and refill forward's tokens, a sequence."""
     plans = {r["step"]: r for r in records if r["stage"] == "plan"}
-    ends = {r["step"]: r["end"] for r in records if r["stage"] == "refill"}
+    refills = {r["step"]: r for r in records if r["stage"] == "refill"}
     chosen = decode_step_ids(records, batch)
-    steps = [ends[s] - ends[s - 1] for s in chosen]
-    return steps, [plans[s]["num_tokens"] / batch for s in chosen]
+    steps = [refills[s]["end"] - refills[s - 1]["end"] for s in chosen]
+    widths = [plans[s]["num_tokens"] / batch for s in chosen]
+    return steps, widths, [refills[s]["drafter_tokens"] for s in chosen]
 
 
 def decode_step_ids(records: list[dict], batch: int) -> list[int]:
@@ -260,21 +282,28 @@ def decode_step_ids(records: list[dict], batch: int) -> list[int]:
 
 
 def time_forward(
-    module: torch.nn.Module, vocab: int, batch: int, context: int, q_len: int
+    module: torch.nn.Module,
+    vocab: int,
+    batch: int,
+    context: int,
+    q_len: int,
+    last_logits: bool = False,
 ) -> float:
     """Median seconds of one forward plus logits of `module` over q_len tokens a sequence for
-    `batch` sequences with `context` tokens of KV each. A LlamaModel reads token ids; a head
-    also reads the target's hidden states (random here: the cost is the same)."""
+    `batch` sequences with `context` tokens of KV each: logits of every token, or (last_logits)
+    of each sequence's last. A LlamaModel reads token ids; a head also reads the target's
+    hidden states (random here: the cost is the same)."""
     cfg: Any = module.config
     allocator, tables = paged_tables(batch, context + q_len, PAGE_SIZE)
     cache = KVCache(cfg.num_layers, allocator.num_pages, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim)
     attn, positions = paged_attention(tables, cache, cfg.num_heads, context, q_len)
     ids = torch.randint(vocab, (batch * q_len,))  # [T]
+    rows = slice(q_len - 1, None, q_len) if last_logits else slice(None)  # of the [T] tokens
     if isinstance(module, LlamaModel):
-        run = lambda: module.logits(module(ids, positions, attn)[0])  # noqa: E731
+        run = lambda: module.logits(module(ids, positions, attn)[0][rows])  # noqa: E731
     else:
         hidden = torch.randn(batch * q_len, cfg.hidden_size)  # [T, H]
-        run = lambda: module.logits(module(ids, hidden, positions, attn))  # noqa: E731
+        run = lambda: module.logits(module(ids, hidden, positions, attn)[rows])  # noqa: E731
     with torch.no_grad():
         return median_seconds(run, FORWARD_REPEATS)
 

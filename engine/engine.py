@@ -361,7 +361,10 @@ class AsyncEngine:
         value = fn(plan)
         end = time.perf_counter()
         plan.device_seconds += end - start
-        self.tracer.record(plan.step, name, start, end, batch_size=plan.batch_size, k=plan.k)
+        fields = {"batch_size": plan.batch_size, "k": plan.k}
+        if name == "refill":  # the drafter's refill forward: tokens a sequence
+            fields["drafter_tokens"] = value
+        self.tracer.record(plan.step, name, start, end, **fields)
         return value
 
     def _draft(self, plan: Plan) -> Drafts:
@@ -383,10 +386,10 @@ class AsyncEngine:
             plan, plan.device(), events["verify"].result(), events["draft"].result()
         )
 
-    def _refill(self, plan: Plan) -> None:
+    def _refill(self, plan: Plan) -> int:
         events = plan.events
         verdict = events["sample"].result()
-        self.refiller(plan, plan.device(), events["verify"].result(), verdict)
+        return self.refiller(plan, plan.device(), events["verify"].result(), verdict)
 
     async def _publish_loop(self, inbox: asyncio.Queue[Plan]) -> None:
         while True:

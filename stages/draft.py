@@ -155,7 +155,8 @@ class Drafter(Protocol):
     `prefill` sees a prefill step: it writes the drafter's KV for the prompt chunk and defers
     its outputs for the first decode. `propose` drafts from the deferred outputs, so its first
     token costs no forward. `refill` runs after sampling: it brings the drafter's KV up to the
-    committed tokens and defers its next outputs.
+    committed tokens and defers its next outputs; it returns how many tokens a sequence its
+    forward ran over (0: none), which the step timeline records.
     """
 
     uses_hidden: bool  # whether the target must keep hidden states for it
@@ -166,7 +167,7 @@ class Drafter(Protocol):
 
     def propose(self, plan: Plan, dev: DevicePlan) -> Drafts: ...
 
-    def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None: ...
+    def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int: ...
 
     def probe(self, num_tokens: int) -> None:
         """One forward of the drafter's network over `num_tokens` dummy tokens, outputs
@@ -188,8 +189,8 @@ class NoDrafter:
     def propose(self, plan: Plan, dev: DevicePlan) -> Drafts:
         return Drafts(dev.host_drafts)
 
-    def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
-        pass
+    def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
+        return 0
 
     def probe(self, num_tokens: int) -> None:
         pass

@@ -43,11 +43,11 @@ class DraftModelDrafter:
         def step(token: torch.Tensor, state: None, j: int) -> tuple[torch.Tensor, None]:
             position = (dev.base + 1 + j)[:, None]
             slot = dev.tail_slots[:, j + 1 : j + 2]
-            return self._forward(dev, None, token[:, None], position, slot)[:, 0], None
+            return self._forward(dev, None, token[:, None], position, slot), None
 
         return draft_chain(plan, dev, self.deferred[dev.rows], None, step, self.sampled)
 
-    def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
+    def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
         a = verdict.num_accepted
         last_input = None
         # Drafting fed the draft d_1 .. d_{k-1}: only d_k, when some sequence accepted it (the
@@ -55,17 +55,17 @@ class DraftModelDrafter:
         # is run (on the CPU only when needed, on an accelerator always: fixed shapes)
         if plan.k and refill_columns(a, plan.width) == plan.width:
             last_input = out.input_ids.view(plan.batch_size, plan.width).gather(1, a[:, None])[:, 0]
-        self._catch_up(dev, None, last_input, verdict, a)
+        return self._catch_up(dev, None, last_input, verdict, a)
 
     def probe(self, num_tokens: int) -> None:
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.deferred.device)
         hidden, _ = self.model(ids, ids, CausalAttention(num_tokens, 1))
         self.model.logits(hidden)
 
-    def _catch_up(self, dev, index, last_input, verdict, accepted) -> None:
+    def _catch_up(self, dev, index, last_input, verdict, accepted) -> int:
         """Run the draft over the emitted token (position base + a + 1), after the last accepted
         input (position base + a) when given: for a sequence whose input there already has its
-        KV, rewriting it is harmless and keeps shapes fixed."""
+        KV, rewriting it is harmless and keeps shapes fixed. Returns the tokens a sequence."""
         pick = (lambda t: t) if index is None else (lambda t: t[index])
         a = accepted[:, None]
         ids = pick(verdict.tokens).gather(1, a)  # [E, 1] the emitted token
@@ -75,15 +75,16 @@ class DraftModelDrafter:
         columns = torch.arange(first, 2, device=a.device)
         positions = pick(dev.base)[:, None] + a + columns
         slots = pick(dev.tail_slots).gather(1, a + columns)
-        logits = self._forward(dev, index, ids, positions, slots)
-        self.deferred[pick(dev.rows)] = logits[:, -1]
+        self.deferred[pick(dev.rows)] = self._forward(dev, index, ids, positions, slots)
+        return ids.shape[1]
 
     def _forward(self, dev, index, ids, positions, slots) -> torch.Tensor:
-        """Draft logits [E, m, V] for m tokens per sequence (ids, positions, slots [E, m])."""
+        """Draft logits [E, V] at the last of m tokens per sequence (ids, positions, slots
+        [E, m]); the tokens before it only write their KV."""
         e, m = ids.shape
         small = drafter_metadata(dev, index, positions, slots)
         hidden, _ = self.model(ids.flatten(), positions.flatten(), self._attention(small))
-        return self.model.logits(hidden).view(e, m, -1)
+        return self.model.logits(hidden.view(e, m, -1)[:, -1])
 
     def _attention(self, meta: AttentionMetadata) -> TorchPagedAttention:
         return TorchPagedAttention(meta, self.cache, self.model.config.num_heads)

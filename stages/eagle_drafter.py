@@ -96,7 +96,7 @@ class EagleDrafter:
         feature = self.deferred_hidden[dev.rows]  # [B, H]
         return draft_chain(plan, dev, logits, feature, step, self.sampled)
 
-    def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
+    def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
         """Pairs (emitted token j, target feature at base + j) at positions base + j, for
         j < m (`refill_columns`: at most k + 1); the rows past a sequence's accepted count a
         lie past its committed length, where nothing reads them before the next step rewrites
@@ -108,6 +108,7 @@ class EagleDrafter:
         positions = dev.base[:, None] + torch.arange(m, device=tokens.device)  # [B, m]
         slots = dev.tail_slots[:, :m]
         self._defer(dev, None, tokens, features, positions, slots, verdict.num_accepted)
+        return m
 
     def _defer(self, dev, index, tokens, features, positions, slots, accepted) -> None:
         """Run the head over pairs [E, m] and keep its outputs at column `accepted` (0 if None)
@@ -165,7 +166,7 @@ class EagleTreeDrafter(EagleDrafter):
         depth = min(self.shape.depth, plan.k)
         return tree_drafts(dev, tokens, parents, depths, depth, ancestors)
 
-    def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
+    def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
         if verdict.path is None:  # a step that drafted nothing: a chain of width 1
             return super().refill(plan, dev, out, verdict)
         path, accepted = verdict.path, verdict.num_accepted  # [B, D], [B]
@@ -179,6 +180,7 @@ class EagleTreeDrafter(EagleDrafter):
         positions = dev.base[:, None] + torch.arange(m, device=path.device)  # [B, m]
         tokens = verdict.tokens[:, :m].clamp(min=0)
         self._defer(dev, None, tokens, features, positions, dev.tail_slots[:, :m], accepted)
+        return m
 
     def roots(self, dev: DevicePlan) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [B, V] of the root's children, the head feature [B, H] paired with them):

@@ -86,7 +86,7 @@ class MTPDrafter:
         logits, hidden = self.logits[dev.rows], self.hidden[dev.rows]  # [B, V], [B, H]
         return draft_chain(plan, dev, logits, hidden, step, self.sampled)
 
-    def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
+    def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
         """Rewrite the head's KV over the committed span with the target's hidden states.
 
         With a accepted, the pairs at positions base+1 .. base+a+1 are (d_1, H_base), ...,
@@ -104,6 +104,7 @@ class MTPDrafter:
         positions = dev.base[:, None] + 1 + torch.arange(m, device=a.device)  # [B, m]
         h = self._forward(dev, None, ids[:, :m], hidden, positions, dev.tail_slots[:, 1 : m + 1])
         self._defer(dev.rows, h.gather(1, a[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0])
+        return m
 
     def _defer(self, rows: torch.Tensor, hidden: torch.Tensor) -> None:
         """Keep the head's output at a sequence's last committed position: hidden [R, H]."""

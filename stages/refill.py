@@ -15,14 +15,15 @@ class RefillStage:
         self.history = history
         self.drafter = drafter
 
-    def __call__(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
+    def __call__(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
+        """Tokens a sequence the drafter's refill forward ran over (0 in a prefill step)."""
         # The target's KV past the accepted tokens is stale but harmless: it lies past the
         # committed length, which the next step's attention never reads, and is rewritten.
         self.history.commit(dev.rows, dev.base + 1, verdict.tokens, verdict.num_accepted)
         if plan.kind == "prefill":
             self.drafter.prefill(plan, dev, out, verdict)
-        else:
-            self.drafter.refill(plan, dev, out, verdict)
+            return 0
+        return self.drafter.refill(plan, dev, out, verdict)
 
 
 def move_tree_path(

@@ -67,10 +67,11 @@ def test_decode_steps_keep_only_consecutive_full_batch_decodes():
     for step, (kind, size, end) in enumerate(zip(kinds, sizes, ends, strict=True)):
         records.append({"step": step, "stage": "plan", "kind": kind, "batch_size": size,
                         "num_tokens": 5 * size if kind == "decode" else 40})  # fmt: skip
-        records.append({"step": step, "stage": "refill", "end": end})
-    steps, widths = runners.decode_steps(records, batch=2)
+        records.append({"step": step, "stage": "refill", "end": end, "drafter_tokens": step})
+    steps, widths, refills = runners.decode_steps(records, batch=2)
     assert steps == pytest.approx([0.75, 1.0, 0.5])  # steps 2, 3 and 7
     assert widths == [5.0, 5.0, 5.0]
+    assert refills == [2, 3, 7]
 
 
 def test_spec_counters_read_the_engine_metrics():
@@ -84,10 +85,10 @@ def test_spec_counters_read_the_engine_metrics():
 def test_tree_levels_count_the_drafter_forwards():
     assert runners.tree_levels(SpecConfig("eagle", num_speculative_tokens=3)) is None
     fixed = SpecConfig("eagle", tree="fixed", tree_paths=((0,), (1,), (0, 0), (0, 1), (0, 0, 0)))
-    # the nodes with children at depths 1 and 2 ((0,) and (0, 0)) are run, then the refill
-    assert runners.tree_levels(fixed) == [1, 1, 1]
+    # the nodes with children at depths 1 and 2 ((0,) and (0, 0)) are run
+    assert runners.tree_levels(fixed) == [1, 1]
     dynamic = SpecConfig("eagle", tree="dynamic", tree_depth=3, tree_topk=4, tree_nodes=8)
-    assert runners.tree_levels(dynamic) == [4, 4, 1]
+    assert runners.tree_levels(dynamic) == [4, 4]
 
 
 def test_request_groups_wrap_over_the_prompts():

@@ -13,6 +13,7 @@ import transformers
 from engine.config import EngineConfig, KVConfig, SpecConfig
 from engine.engine import DEMO_DIR
 from engine.request import SamplingParams
+from engine.trace import Tracer
 from models.loader import load_model
 from models.tokenizer import Tokenizer
 from tests.engine_util import running, token_ids
@@ -86,3 +87,19 @@ async def test_demo_speculation_diverges_only_at_near_ties():
     acceptance = emitted / sum(u.spec_steps for u in usage)
     print(f"acceptance length {acceptance:.2f}")
     assert acceptance > 1.5  # a floor well below what the demo pair measures
+
+
+@pytest.mark.parametrize("method", ["eagle", "mtp"])
+async def test_head_refill_runs_over_the_accepted_drafts_and_the_emitted_token(method):
+    """A head's refill rewrites its KV over every committed position of the step with the
+    target's features: the timeline records that width, and bench.speed times it."""
+    config = EngineConfig(kv=KVConfig(num_pages=64), spec=SpecConfig(method, adaptive_k=False))
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    async with running(config) as engine:
+        engine.tracer = Tracer(keep=1000)
+        usage = (await engine.generate(heldout(1)[0], params))[-1].usage
+    refills = [r["drafter_tokens"] for r in engine.tracer.records if r["stage"] == "refill"]
+    assert refills[0] == 0  # the prefill's
+    assert all(1 <= m <= config.spec.num_draft_tokens + 1 for m in refills[1:])
+    assert usage.accepted_tokens > 0
+    assert sum(m - 1 for m in refills[1:]) == usage.accepted_tokens

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from engine.request import SamplingParams
+from engine.trace import Tracer
 from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -45,9 +46,15 @@ async def test_draft_model_accepts_its_own_output(tiny_target):
     """The target drafting for itself is always right: every draft token is accepted."""
     config = make_config(tiny_target, "draft", tiny_target, k=4)
     async with running(config) as engine:
+        engine.tracer = Tracer(keep=1000)
         deltas = await engine.generate([3, 4, 5], GREEDY)
     usage = deltas[-1].usage
     assert usage.draft_tokens > 0 and usage.accepted_tokens == usage.draft_tokens
+    # the timeline's refill widths: none after the prefill (token 1); after each step that
+    # accepted all 4 drafts (tokens 2-21), the last draft, never fed to the drafter, and the
+    # emitted token; the last step may draft only 2 (24 tokens in all), so it feeds the emitted one
+    refills = [r["drafter_tokens"] for r in engine.tracer.records if r["stage"] == "refill"]
+    assert refills == [0, 2, 2, 2, 2, 1]
 
 
 async def test_per_request_k_and_max_tokens_are_respected(tiny_target, tiny_draft):
