@@ -42,8 +42,9 @@ class KVCache:
 
     def key_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """Row of each slot's key in `layer_rows` (same shape as `slots`)."""
+        # page p's keys take rows 2p * ps .. (2p + 1) * ps: slot p * ps + i is row slot + p * ps
         ps = self.page_size
-        return torch.div(slots, ps, rounding_mode="floor") * (2 * ps) + slots % ps
+        return slots + torch.div(slots, ps, rounding_mode="floor") * ps
 
     def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy K and V of every layer from src to dst slots ([N] each); used after a tree."""

@@ -88,8 +88,11 @@ class TorchPagedAttention:
         b, qmax, lmax = meta.num_seqs, meta.max_q, meta.kv_slots.shape[1]
         visible = meta.visible()  # [B, Qmax, Lmax]
         # queries are laid out [B, Hkv, group * Qmax, D]; each group repeats the query rows
-        self.mask = visible[:, None, None].expand(b, 1, group, qmax, lmax)
-        self.mask = self.mask.reshape(b, 1, group * qmax, lmax)
+        # (with one query a sequence, the mask's one row broadcasts to them)
+        self.mask = visible[:, None]
+        if qmax > 1:
+            self.mask = visible[:, None, None].expand(b, 1, group, qmax, lmax)
+            self.mask = self.mask.reshape(b, 1, group * qmax, lmax)
         self.group = group
         # tokens come sequence by sequence (CSR order), so when every sequence has Qmax of them
         # the padded layout is the token order itself and needs no scatter or gather

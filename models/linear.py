@@ -65,7 +65,7 @@ class PackedLinear(nn.Module):
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The product split back into the fused linears' outputs."""
-        return self(x).split(self.sizes, dim=-1)
+        return self(x).split_with_sizes(self.sizes, -1)  # (Tensor.split wraps it in Python)
 
 
 def pack_linears(module: nn.Module, skip: Collection[nn.Module] = ()) -> None:

@@ -114,9 +114,9 @@ class SelfAttention(nn.Module):
         if self.qkv is None:
             qk, v = torch.cat((self.q_proj(x), self.k_proj(x)), -1), self.v_proj(x)
         else:
-            qk, v = self.qkv(x).split((sum(heads) * d, heads[1] * d), dim=-1)
+            qk, v = self.qkv(x).split_with_sizes((sum(heads) * d, heads[1] * d), -1)
         # q and k rotated as one tensor: half the operations of rotating each
-        q, k = rotate(qk.view(t, sum(heads), d), cos, sin).split(heads, dim=1)
+        q, k = rotate(qk.view(t, sum(heads), d), cos, sin).split_with_sizes(heads, 1)
         v = v.view(t, self.num_kv_heads, d)
         return self.o_proj(attn(self.layer, q, k, v).reshape(t, -1))
 
