@@ -155,6 +155,7 @@ class EngineRunner:
             # drafter forwards a step by tokens a sequence: drafting, and the refill's over all
             # the steps (it keeps the logits of a sequence's last token only)
             drafting = Counter(levels) if levels is not None else Counter({1: chain_k - 1})
+            drafting = Counter({m: n for m, n in drafting.items() if n > 0})  # mtp-1 drafts none
             refills = Counter(sample.refills)
             shape = (len(groups[0]), context_seen(groups, max_tokens), width)
             sample.verify_s, draft_s, refill_s = await self._forwards(*shape, drafting, refills)
