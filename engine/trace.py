@@ -5,7 +5,8 @@ to a Chrome trace that Perfetto opens.
 
 A record holds `step`, `stage` (plan/draft/verify/sample/refill), `start` and `end` in
 `time.perf_counter()` seconds, and whatever the engine adds (`batch_size`, `num_tokens`,
-`accepted`, `k`, ...). In the Chrome trace, host stages and device stages sit on two tracks, so
+`accepted`, `k`, the refill's `drafter_tokens`: tokens a sequence the drafter's refill forward
+ran over, ...). In the Chrome trace, host stages and device stages sit on two tracks, so
 a plan hidden behind device work shows as overlap.
 """
 
