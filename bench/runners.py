@@ -154,8 +154,8 @@ class EngineRunner:
             chain_k = sample.draft_tokens / sample.spec_steps if sample.spec_steps else 0.0
             # drafter forwards a step by tokens a sequence: drafting, and the refill's over all
             # the steps (it keeps the logits of a sequence's last token only)
-            drafting = Counter(levels) if levels is not None else Counter({1: chain_k - 1})
-            drafting = Counter({m: n for m, n in drafting.items() if n > 0})  # mtp-1 drafts none
+            chain = {1: chain_k - 1} if chain_k > 1 else {}  # mtp-1 drafts with no forward
+            drafting = Counter(levels) if levels is not None else Counter(chain)
             refills = Counter(sample.refills)
             shape = (len(groups[0]), context_seen(groups, max_tokens), width)
             sample.verify_s, draft_s, refill_s = await self._forwards(*shape, drafting, refills)
