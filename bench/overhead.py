@@ -12,13 +12,14 @@ the rest, the per-step overhead, into three measured parts:
 
 "Forwards in the engine" is the wall time inside the target's and the drafter's module
 forwards and their LM-head products during the decode steps bench.speed times (forward hooks
-on those modules; a hook costs a few microseconds). They run slower than alone when a drafter
-reads its weights from a cache the target's forward has just evicted, and over more tokens
-than alone when a refill runs over several. "Host work inside the stages" is the rest of the
-stages' time on the compute thread: attention metadata, sampling and verification, the
-drafters' bookkeeping. "Between the stages" is the step's time outside every stage: the event
-loop's publish and plan, which hold the GIL while the compute thread waits, and the stages'
-hand-offs. Per stage the table also shows its time and, in parentheses, its forwards.
+on those modules; a hook costs a few microseconds); "forwards alone" are bench.speed's, run
+back to back in the step's order. They run slower in the engine when the event loop's thread
+takes a core (or the GIL) from the compute thread's parallel work. "Host work inside the
+stages" is the rest of the stages' time on the compute thread: attention metadata, sampling
+and verification, the drafters' bookkeeping. "Between the stages" is the step's time outside
+every stage: mostly the wait, after the sample stage, while the event loop (woken by the
+sampled tokens) publishes them and plans the next step, holding the GIL and a core. Per stage
+the table also shows its time and, in parentheses, its forwards.
 
 The cells run as bench.speed's (its runners, configurations and forwards timed alone), one
 request per batch slot, repeats interleaved over the methods; values are means per step over

@@ -1,17 +1,18 @@
 """What bench.speed makes of its samples: one row per cell (medians and pooled acceptance),
 the speedup over `none`, the ideal speedup and efficiency, issue 11's aims, and the outputs
-(a Markdown table, a JSON file, a PNG plot). With the forwards timed alone at the cell's
-shapes (bench/runners.py):
+(a Markdown table, a JSON file, a PNG plot). With a step's forwards timed alone at the cell's
+shapes, in the step's order (bench/runners.py):
 
-    ideal      = tau * step time without speculation / (drafter forwards + verify forward)
-    efficiency = decode speedup / ideal = (drafter forwards + verify forward) / step time
-    overhead   = step time - (drafter forwards + verify forward)
+    ideal      = tau * step time without speculation / forwards
+    efficiency = decode speedup / ideal = forwards / step time
+    overhead   = step time - forwards
 
 where tau is the mean acceptance length (tokens emitted per verify step). Plain decoding (no
 drafter, one token) gets the same columns for `none`. Efficiency and overhead are medians of
 each repeat's own ratio and difference (its forwards are timed right after its cell, so a
 machine whose speed drifts during the run shifts both sides alike); the ideal speedup shown
-is the decode speedup over that efficiency.
+is the decode speedup over that efficiency. "Warm efficiency" is the same ratio with each
+forward timed on its own, repeated, its weights in the cache (the sum of the warm forwards).
 """
 
 from __future__ import annotations
@@ -57,22 +58,24 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
         "mean_k": sum(s.draft_tokens for s in samples) / spec if spec else 0.0,
         "verify_ms": med(s.verify_s for s in samples) * 1e3,
         "drafting_ms": med(s.drafting_s for s in samples) * 1e3,
+        "forwards_ms": med(s.forwards_s for s in samples) * 1e3,
         "paired_efficiency": med(s.forwards_s / s.step_s for s in samples),
+        "warm_efficiency": med((s.verify_s + s.drafting_s) / s.step_s for s in samples),
         "paired_overhead_ms": med(s.step_s - s.forwards_s for s in samples) * 1e3,
     }
 
 
 def efficiency(row: dict[str, Any], base_step_ms: float) -> dict[str, float]:
     """Ideal speedup, efficiency and per-step overhead (see the module docstring)."""
-    forwards = row["drafting_ms"] + row["verify_ms"]
+    forwards = row["forwards_ms"]
     decode_speedup = row["acceptance_length"] * base_step_ms / row["step_ms"]
     return {
-        "forwards_ms": forwards,
         "overhead_ms": row["paired_overhead_ms"],
         "cost_ratio": forwards / base_step_ms,  # a speculative step's forwards / a plain step
         "ideal_speedup": decode_speedup / row["paired_efficiency"],
         "decode_speedup": decode_speedup,
         "efficiency": row["paired_efficiency"],
+        "warm_efficiency": row["warm_efficiency"],
     }
 
 
@@ -169,6 +172,7 @@ COLUMNS = (
     ("overhead ms", "overhead_ms", "{:.1f}"),
     ("ideal", "ideal_speedup", "{:.2f}x"),
     ("efficiency", "efficiency", "{:.2f}"),
+    ("warm efficiency", "warm_efficiency", "{:.2f}"),
 )
 
 

@@ -4,15 +4,21 @@ reads its step timeline and metrics; HFRunner drives transformers' `generate` at
 Also the names of the methods and the Sample a cell fills, which the CLI and the report share.
 
 An engine cell's step time is the mean wall time of a decode step while the whole group
-decodes (from the step timeline). After the cell, on the engine's compute thread, the target
-over the verify width and the drafter's forwards are timed alone at the cell's shapes and the
-context length seen (mean prompt plus half the new tokens). The drafter forwards of a chain
-step are k - 1 one-token forwards (k the mean number of draft tokens per speculative step; the
-first draft comes from the deferred logits), of a tree step one forward per level over the
-nodes it expands (`tree_levels`); then the refill's forward, over the tokens a sequence it ran
-in each step (the step timeline's `drafter_tokens`: the draft model's 1 or 2, an EAGLE or MTP
-head's accepted drafts and emitted token), timed alone at each width seen and averaged over
-the steps.
+decodes (from the step timeline). After the cell, on the engine's compute thread, the step's
+forwards are timed alone at the cell's shapes and the context length seen (mean prompt plus
+half the new tokens). A step's forwards (`step_forwards`), in the order the engine runs them:
+its drafting forwards (a chain's k - 1 of one token, the first draft coming from the deferred
+logits; a tree's one a level over the nodes it expands, `tree_levels`), the target's verify
+forward over the step's width, and the drafter's refill forward over the tokens a sequence it
+ran (the step timeline's `drafter_tokens`: the draft model's 1 or 2, an EAGLE or MTP head's
+accepted drafts and emitted token).
+
+The step the cell ran most often is timed whole, its forwards back to back in that order, so
+that each reads its weights from the cache the forward before it left, as in the engine (the
+target's float32 weights do not fit in this CPU's cache and evict the drafter's); each other
+step adds its difference from that one, with every forward timed on its own (repeated, so
+with its weights cached). Those warm per-forward times are kept too (`verify_s`,
+`drafting_s`): they are what the forwards cost with the cache all their own.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import re
 import statistics
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +60,7 @@ ENGINE_METHODS = (
 HF_METHODS = ("hf-generate", "hf-assisted", "hf-prompt-lookup")
 PAGE_SIZE = 16
 TRACE_KEEP = 1 << 20  # step-timeline records kept in memory (a cell clears them)
-FORWARD_REPEATS = 9  # timed calls per forward measured alone, per cell and repeat (median)
+FORWARD_REPEATS = 9  # timed calls per forward or step measured alone, per cell and repeat
 
 
 class MethodUnavailable(RuntimeError):
@@ -91,18 +97,14 @@ class Sample:
     accepted: int = 0
     drafts: float = 0.0  # drafts verified (the engine's metric)
     per_pos: list[float] = field(default_factory=list)  # drafts accepted through position i
-    verify_s: float = math.nan  # the verify forward alone (target over the verify width)
-    drafting_s: float = 0.0  # a step's drafter forwards alone, the refill's included
+    forwards_s: float = math.nan  # a step's forwards alone, in its order (module docstring)
+    verify_s: float = math.nan  # the verify forward alone and warm, a step (mean)
+    drafting_s: float = 0.0  # a step's drafter forwards alone and warm, the refill's included
 
     @property
     def step_s(self) -> float:
         """The mean full-batch decode step (NaN without one)."""
         return statistics.fmean(self.steps) if self.steps else math.nan
-
-    @property
-    def forwards_s(self) -> float:
-        """A step's forwards timed alone: the drafter's and the verify forward."""
-        return self.drafting_s + self.verify_s
 
 
 # ---- our engine ----
@@ -148,21 +150,11 @@ class EngineRunner:
         after = spec_counters(self.engine.metrics.render())
         sample.drafts = after[0] - before[0]
         sample.per_pos = [a - b for a, b in zip(after[1], before[1], strict=False)]
-        if sample.widths:
-            width = max(1, round(statistics.fmean(sample.widths)))
-            levels = tree_levels(self.engine.config.spec)
-            chain_k = sample.draft_tokens / sample.spec_steps if sample.spec_steps else 0.0
-            # drafter forwards a step by tokens a sequence: drafting, and the refill's over all
-            # the steps (it keeps the logits of a sequence's last token only)
-            chain = {1: chain_k - 1} if chain_k > 1 else {}  # mtp-1 drafts with no forward
-            drafting = Counter(levels) if levels is not None else Counter(chain)
-            refills = Counter(sample.refills)
-            shape = (len(groups[0]), context_seen(groups, max_tokens), width)
-            sample.verify_s, draft_s, refill_s = await self._forwards(*shape, drafting, refills)
-            sample.drafting_s = sum(n * draft_s[m] for m, n in drafting.items())
-            sample.drafting_s += sum(n * refill_s[m] for m, n in refills.items()) / len(
-                sample.refills
-            )
+        if sample.steps:
+            shapes = Counter(zip((round(w) for w in sample.widths), sample.refills, strict=True))
+            shape = (len(groups[0]), context_seen(groups, max_tokens))
+            forwards = await self._forwards(*shape, shapes)
+            sample.forwards_s, sample.verify_s, sample.drafting_s = forwards
         return sample
 
     async def _consume(self, stream: Any, start: float, sample: Sample) -> None:
@@ -184,27 +176,52 @@ class EngineRunner:
                 sample.accepted += u.accepted_tokens
 
     async def _forwards(
-        self, batch: int, context: int, width: int, drafting: Iterable[int], refills: Iterable[int]
-    ) -> tuple[float, dict[int, float], dict[int, float]]:
-        """Seconds of the verify forward, of a drafting forward over n tokens a sequence (each
-        n in `drafting`) and of a refill's (each n in `refills`), each timed alone at the
-        cell's shapes on the engine's compute stream, the thread that runs them in the engine."""
+        self, batch: int, context: int, shapes: Counter[tuple[int, int]]
+    ) -> tuple[float, float, float]:
+        """Seconds a step (mean over the steps) of its forwards alone in its order, of its
+        verify forward alone and warm, and of its drafter forwards alone and warm; `shapes`
+        counts the steps by (verify width, refill tokens) a sequence. Timed on the engine's
+        compute stream, the thread that runs them in the engine."""
+        levels = tree_levels(self.engine.config.spec)
+        vocab, module = self.engine.vocab_size, self.draft_module
 
-        def timed_alone() -> tuple[float, dict[int, float], dict[int, float]]:
-            vocab, module = self.engine.vocab_size, self.draft_module
+        @torch.no_grad()
+        def timed_alone() -> tuple[float, float, float]:
+            calls: dict[tuple[str, int], Callable[[], object]] = {}
+            for width, refill in shapes:
+                for kind, n in step_forwards(width, refill, levels):
+                    model = self.engine.model if kind == "verify" else module
+                    if model is not None and n and (kind, n) not in calls:
+                        last_logits = kind == "refill"  # a refill keeps the last token's
+                        calls[kind, n] = forward_call(model, vocab, batch, context, n, last_logits)
+            warm = {f: median_seconds(call, FORWARD_REPEATS) for f, call in calls.items()}
 
-            def times(widths: Iterable[int], last_logits: bool = False) -> dict[int, float]:
-                if module is None:
-                    return dict.fromkeys(widths, 0.0)
-                return {
-                    n: time_forward(module, vocab, batch, context, n, last_logits) if n else 0.0
-                    for n in widths
-                }
+            def alone(shape: tuple[int, int], kinds: tuple[str, ...] = KINDS) -> float:
+                forwards = step_forwards(*shape, levels)
+                return sum(warm.get(f, 0.0) for f in forwards if f[0] in kinds)
 
-            verify = time_forward(self.engine.model, vocab, batch, context, width)
-            return verify, times(drafting), times(refills, last_logits=True)
+            def mean(seconds: Callable[[tuple[int, int]], float]) -> float:
+                return sum(n * seconds(s) for s, n in shapes.items()) / shapes.total()
+
+            common = shapes.most_common(1)[0][0]
+            in_order = [calls[f] for f in step_forwards(*common, levels) if f in calls]
+            step = median_seconds(lambda: [call() for call in in_order], FORWARD_REPEATS)
+            forwards = step + mean(alone) - alone(common)
+            verify = mean(lambda s: alone(s, ("verify",)))
+            return forwards, verify, mean(lambda s: alone(s, ("draft", "refill")))
 
         return await asyncio.wrap_future(self.engine.compute.submit(timed_alone).future)
+
+
+KINDS = ("draft", "verify", "refill")  # a step's forwards, in the engine's order
+
+
+def step_forwards(width: int, refill: int, levels: list[int] | None) -> list[tuple[str, int]]:
+    """A decode step's forwards in the engine's order, as (kind, tokens a sequence): the
+    drafting forwards (a chain's k - 1 = width - 2 of one token, a tree's levels; none for a
+    step that drafted nothing), the verify forward, the refill's."""
+    drafting = (levels if levels is not None else [1] * (width - 2)) if width > 1 else []
+    return [*(("draft", n) for n in drafting), ("verify", width), ("refill", refill)]
 
 
 def tree_levels(spec: SpecConfig) -> list[int] | None:
@@ -282,16 +299,16 @@ def decode_step_ids(records: list[dict], batch: int) -> list[int]:
     return [s for s in full if s - 1 in members and s in ends and s - 1 in ends]
 
 
-def time_forward(
+def forward_call(
     module: torch.nn.Module,
     vocab: int,
     batch: int,
     context: int,
     q_len: int,
     last_logits: bool = False,
-) -> float:
-    """Median seconds of one forward plus logits of `module` over q_len tokens a sequence for
-    `batch` sequences with `context` tokens of KV each: logits of every token, or (last_logits)
+) -> Callable[[], object]:
+    """One forward plus logits of `module` over q_len tokens a sequence for `batch` sequences
+    with `context` tokens of KV each, ready to call: logits of every token, or (last_logits)
     of each sequence's last. A LlamaModel reads token ids; a head also reads the target's
     hidden states (random here: the cost is the same)."""
     cfg: Any = module.config
@@ -301,12 +318,9 @@ def time_forward(
     ids = torch.randint(vocab, (batch * q_len,))  # [T]
     rows = slice(q_len - 1, None, q_len) if last_logits else slice(None)  # of the [T] tokens
     if isinstance(module, LlamaModel):
-        run = lambda: module.logits(module(ids, positions, attn)[0][rows])  # noqa: E731
-    else:
-        hidden = torch.randn(batch * q_len, cfg.hidden_size)  # [T, H]
-        run = lambda: module.logits(module(ids, hidden, positions, attn)[rows])  # noqa: E731
-    with torch.no_grad():
-        return median_seconds(run, FORWARD_REPEATS)
+        return lambda: module.logits(module(ids, positions, attn)[0][rows])
+    hidden = torch.randn(batch * q_len, cfg.hidden_size)  # [T, H]
+    return lambda: module.logits(module(ids, hidden, positions, attn)[rows])
 
 
 # ---- transformers ----

@@ -15,12 +15,11 @@ from engine.metrics import EngineMetrics
 
 
 def test_efficiency_is_forward_share_of_a_step():
-    # tau 3, k 4 drafter forwards of 1 ms and a 6 ms verify: 10 ms of forwards in a 12.5 ms
-    # step; a plain step takes 10 ms
-    row = {"acceptance_length": 3.0, "drafting_ms": 4.0, "verify_ms": 6.0,
-           "step_ms": 12.5, "paired_efficiency": 0.8, "paired_overhead_ms": 2.5}  # fmt: skip
+    # tau 3, 10 ms of forwards (drafter and verify, in the step's order) in a 12.5 ms step; a
+    # plain step takes 10 ms
+    row = {"acceptance_length": 3.0, "forwards_ms": 10.0, "step_ms": 12.5,
+           "paired_efficiency": 0.8, "paired_overhead_ms": 2.5, "warm_efficiency": 0.7}  # fmt: skip
     out = report.efficiency(row, base_step_ms=10.0)
-    assert out["forwards_ms"] == pytest.approx(10.0)
     assert out["ideal_speedup"] == pytest.approx(3.0)  # 3 * 10 / 10
     assert out["decode_speedup"] == pytest.approx(2.4)  # 3 * 10 / 12.5
     assert out["efficiency"] == pytest.approx(0.8)  # 10 / 12.5
@@ -31,14 +30,22 @@ def test_efficiency_is_forward_share_of_a_step():
 def test_efficiency_pairs_each_repeat_with_its_own_forwards():
     # the machine runs at half speed in the second repeat: steps and forwards both double
     samples = [
-        runners.Sample(tokens=100, seconds=1.0, steps=[step], verify_s=verify, drafting_s=0.004)
-        for step, verify in ((0.020, 0.012), (0.040, 0.028), (0.030, 0.016))
+        runners.Sample(
+            tokens=100,
+            seconds=1.0,
+            steps=[step],
+            forwards_s=forwards,
+            verify_s=forwards - 0.006,
+            drafting_s=0.004,
+        )  # fmt: skip
+        for step, forwards in ((0.020, 0.016), (0.040, 0.032), (0.030, 0.020))
     ]
     row = report.summarize(samples)
     assert row["paired_efficiency"] == pytest.approx(0.8)  # 16/20, 32/40, 20/30
     assert row["paired_overhead_ms"] == pytest.approx(8.0)  # 4, 8, 10
+    assert row["warm_efficiency"] == pytest.approx(0.7)  # 14/20, 30/40, 18/30
     # the ratio of the medians would mix repeats: 20 / 30
-    assert (row["verify_ms"] + row["drafting_ms"]) / row["step_ms"] == pytest.approx(2 / 3)
+    assert row["forwards_ms"] / row["step_ms"] == pytest.approx(2 / 3)
 
 
 def test_summary_takes_medians_of_speeds_and_pools_acceptance():
@@ -89,6 +96,17 @@ def test_tree_levels_count_the_drafter_forwards():
     assert runners.tree_levels(fixed) == [1, 1]
     dynamic = SpecConfig("eagle", tree="dynamic", tree_depth=3, tree_topk=4, tree_nodes=8)
     assert runners.tree_levels(dynamic) == [4, 4]
+
+
+def test_step_forwards_in_the_engines_order():
+    # a chain of k = 4: three one-token drafting forwards (the first draft is deferred)
+    chain = [("draft", 1)] * 3 + [("verify", 5), ("refill", 3)]
+    assert runners.step_forwards(5, 3, None) == chain
+    assert runners.step_forwards(2, 2, None) == [("verify", 2), ("refill", 2)]  # k = 1
+    assert runners.step_forwards(1, 1, None) == [("verify", 1), ("refill", 1)]  # no drafts
+    tree = [("draft", 4), ("draft", 4), ("verify", 9), ("refill", 2)]
+    assert runners.step_forwards(9, 2, [4, 4]) == tree
+    assert runners.step_forwards(1, 1, [4, 4]) == [("verify", 1), ("refill", 1)]
 
 
 def test_request_groups_wrap_over_the_prompts():
