@@ -15,7 +15,9 @@ Request i, whose drafts are each accepted with probability a_i and which may dra
 tokens, emits in expectation (1 - a_i^(n_i + 1)) / (1 - a_i) tokens a step. The chosen k
 maximises sum_i E_i / time(B, k) over 0..k_max; k = 0 turns speculation off for the step
 (the drafter still refills). a_i is estimated per request from the accepted
-counts with exponential forgetting, starting from a prior.
+counts with exponential forgetting, starting from a prior; a step that drafts nothing fades
+the estimate back toward the prior, so that a request the model stopped drafting for is
+tried again after a while (acceptance drifts with the text).
 """
 
 from __future__ import annotations
@@ -107,6 +109,13 @@ class AcceptanceRate:
             return
         self.accepted = FORGET * self.accepted + accepted
         self.trials = FORGET * self.trials + accepted + (accepted < drafted)
+
+    def idle(self) -> None:
+        """A step that drafted nothing: the evidence fades toward the prior's, by FORGET.
+        Without it a low estimate would turn drafting off for good, since only drafting
+        shows it otherwise."""
+        self.accepted = FORGET * self.accepted + (1 - FORGET) * PRIOR_RATE * PRIOR_WEIGHT
+        self.trials = FORGET * self.trials + (1 - FORGET) * PRIOR_WEIGHT
 
     @property
     def rate(self) -> float:

@@ -448,6 +448,8 @@ class AsyncEngine:
                 output.usage.draft_tokens += plan.num_drafts[i]
                 output.usage.accepted_tokens += host["accepted"][i]
                 seq.request.acceptance.observe(plan.num_drafts[i], host["accepted"][i])
+            elif self.cost is not None and plan.kind == "decode":  # the cost model chose k = 0
+                seq.request.acceptance.idle()
             tokens = host["tokens"][i][:emitted]
             delta = output.add(tokens, self._logprobs(host, i, emitted, seq))
             self._observe_latency(output, len(delta.token_ids), now)

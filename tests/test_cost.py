@@ -10,6 +10,7 @@ import time
 import pytest
 
 from engine.cost import (
+    PRIOR_RATE,
     AcceptanceRate,
     Calibration,
     CostModel,
@@ -94,6 +95,22 @@ def test_measured_steps_correct_the_curves():
     assert cm.step_seconds(64, 3) == cm.forwards_seconds(64, 3)  # other batch sizes keep theirs
 
 
+def test_a_request_not_drafted_for_is_tried_again_after_a_while():
+    cm = model(Curve([1, 1024], [0.011, 1.034]), 0.002)
+    rate = AcceptanceRate()
+    for _ in range(100):
+        rate.observe(4, 0)  # every draft rejected: the text turned unpredictable
+    assert cm.choose([rate.rate], [6]) == 0
+    plain_steps = 0
+    while cm.choose([rate.rate], [6]) == 0:
+        rate.idle()  # a step at k = 0 (no evidence either way)
+        plain_steps += 1
+    assert 10 < plain_steps < 100, plain_steps
+    for _ in range(500):
+        rate.idle()
+    assert rate.rate == pytest.approx(PRIOR_RATE, abs=0.01)  # back to the prior, no further
+
+
 def test_calibration_file_round_trip(tmp_path):
     cal = Calibration(Curve([1, 2], [0.1, 0.2]), Curve([1], [0.01]))
     cal.save(tmp_path / "c.json")
@@ -124,11 +141,15 @@ def test_engine_calibrates_saves_and_reloads(tiny_target, tiny_draft, tmp_path):
     assert saved["verify"]["tokens"][-1] == 64 * 5  # max_running rows of k + 1 tokens
 
 
-def test_engine_drafts_less_when_drafts_are_rejected(tiny_target, tiny_draft):
+def test_engine_drafts_less_when_drafts_are_rejected(tiny_target, tiny_draft, monkeypatch):
     """The tiny draft is unrelated to the tiny target (acceptance near 1 / vocab). With fixed
     curves (verify(n) = 10 + 3n ms, a draft token 2 ms) the prior's acceptance makes k = 1 the
-    best; once the estimates have seen the rejections, k = 0 is. Output stays lossless."""
+    best; once the estimates have seen the rejections, k = 0 is, and its steps fade the
+    estimates back toward the prior. Output stays lossless."""
     prompts = ragged_prompts(4, 50, seed=1)
+    idle = AcceptanceRate.idle
+    idled = []
+    monkeypatch.setattr(AcceptanceRate, "idle", lambda rate: idled.append(rate) or idle(rate))
 
     async def main(method):
         config = make_config(tiny_target, method, tiny_draft, k=4, spec_kw={"adaptive_k": True})
@@ -143,9 +164,11 @@ def test_engine_drafts_less_when_drafts_are_rejected(tiny_target, tiny_draft):
             return outs, {k: steps.labels(k=k).value for k in range(5)}
 
     plain, _ = asyncio.run(main("none"))
+    assert not idled  # no cost model, nothing to fade
     spec, by_k = asyncio.run(main("draft"))
     assert spec == plain
     assert by_k[1] > 0 and by_k[0] > by_k[1] + by_k[2] + by_k[3] + by_k[4], by_k
+    assert len(idled) >= by_k[0]  # every sequence of every k = 0 decode step
 
 
 def test_measured_curves_never_fall():
