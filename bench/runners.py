@@ -185,7 +185,6 @@ class EngineRunner:
         levels = tree_levels(self.engine.config.spec)
         vocab, module = self.engine.vocab_size, self.draft_module
 
-        @torch.no_grad()
         def timed_alone() -> tuple[float, float, float]:
             calls: dict[tuple[str, int], Callable[[], object]] = {}
             for width, refill in shapes:

@@ -37,7 +37,7 @@ def test_efficiency_pairs_each_repeat_with_its_own_forwards():
             forwards_s=forwards,
             verify_s=forwards - 0.006,
             drafting_s=0.004,
-        )  # fmt: skip
+        )
         for step, forwards in ((0.020, 0.016), (0.040, 0.032), (0.030, 0.020))
     ]
     row = report.summarize(samples)
