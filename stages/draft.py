@@ -25,6 +25,7 @@ class Drafts:
     parents: torch.Tensor | None = None  # [B, k] int64 parent node, -1: child of the root
     ancestors: torch.Tensor | None = None  # [B, k, k] bool, node j is node i's ancestor or i
     depth: int = 0  # bound on the nodes' depths (children of the root have depth 1)
+    depths: torch.Tensor | None = None  # [B, k] int64 each node's depth
     positions: torch.Tensor | None = None  # [B, k + 1] verify positions: root, then nodes
     mask: torch.Tensor | None = None  # [B, k + 1, Lmax] bool, the step's keys each row sees
 
@@ -137,7 +138,7 @@ def tree_drafts(dev: DevicePlan, tokens, parents, depths, depth: int, ancestors=
     rows = torch.cat([torch.zeros_like(ancestors[:, :1]), ancestors], 1)  # [B, N + 1, N]
     index = node.clamp(0, n - 1)[:, None, :].expand(b, n + 1, lmax)
     mask = prefix[:, None, :] | (rows.gather(2, index) & in_tree[:, None, :])
-    return Drafts(tokens, None, parents, ancestors, depth, positions, mask)
+    return Drafts(tokens, None, parents, ancestors, depth, depths, positions, mask)
 
 
 def probe_head(head: Any, num_tokens: int) -> None:

@@ -115,12 +115,18 @@ class PenaltyState:
 # ---- random numbers: murmur3 over 32-bit words ----
 # On a device, the words are held in int64 tensors and never overflow; on the CPU, in numpy
 # uint32 arrays, whose arithmetic wraps as murmur3's does: the same bits at a third of the cost
-# of torch's small operations (a step hashes a handful of positions). `Words` is either.
+# of torch's small operations. A step at a small batch hashes a handful of positions, where
+# even numpy's per-call cost dominates: up to PYTHON_HASH_MAX uniforms, Python's own ints hash
+# them one by one (inside a step, 5 positions x 2 salts took 0.5 ms through numpy). `Words` is
+# any of the three.
 Words = Any
-HOST_HASH_DEVICES = frozenset({"cpu"})  # device types whose uniforms numpy hashes
+HOST_HASH_DEVICES = frozenset({"cpu"})  # device types whose uniforms the host hashes
+PYTHON_HASH_MAX = 32
 
 
 def _mul32(x: Words, c: int) -> Words:
+    if isinstance(x, int):
+        return x * c & _MASK32
     if isinstance(x, np.ndarray):
         return x * np.uint32(c)
     # x * c mod 2^32 with c split in 16-bit halves: every product stays below 2^49
@@ -189,12 +195,31 @@ def uniforms(seeds: torch.Tensor, positions: torch.Tensor, salts: tuple[int, ...
     host = positions.device.type in HOST_HASH_DEVICES
     seeds, positions = seeds.long(), positions.long()
     states = [_seed_state(seeds, salt, host) for salt in salts]
+    if host and positions.numel() * len(salts) <= PYTHON_HASH_MAX:
+        return _python_uniforms(states, positions)
     h = np.stack(states) if host else torch.stack(states)  # [S, B]
     h = h.reshape(*h.shape, *([1] * (positions.dim() - 1)))  # broadcast over the positions
     for word in _words(positions.numpy() if host else positions):
         h = _mix(h, word)
     h = _finish(h, 4)
     return torch.from_numpy((h + 0.5) * 2.0**-32) if host else (h.double() + 0.5) * 2.0**-32
+
+
+def _python_uniforms(states: list[Words], positions: torch.Tensor) -> torch.Tensor:
+    """`uniforms` with Python ints: states [S] of [B] hash states after the seeds' words."""
+    per_row = positions[0].numel() if len(positions) else 0
+    flat = positions.flatten().tolist()
+
+    def one(h: int, position: int) -> float:
+        for word in _words(position):
+            h = _mix(h, word)
+        return (_finish(h, 4) + 0.5) * 2.0**-32
+
+    values = []
+    for state in states:
+        row_states = state.tolist()
+        values.append([one(row_states[i // per_row], p) for i, p in enumerate(flat)])
+    return torch.tensor(values, dtype=torch.float64).view(len(states), *positions.shape)
 
 
 # ---- logits processing ----
@@ -402,6 +427,7 @@ def tree_verify(
     positions: torch.Tensor,  # [B] int64, absolute position of the first token emitted
     depth: int | None = None,  # a bound on the tree's depth, known to the caller (no sync)
     greedy: bool = False,  # every row of target_probs is one-hot (see `sample`)
+    node_depths: torch.Tensor | None = None,  # [B, N] from 1, when the caller knows them
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The tree acceptance rule, children as point masses.
 
@@ -411,42 +437,37 @@ def tree_verify(
     p(c), p(c) := 0 and renormalised after each rejection; if none is accepted a draw of the
     remaining p is emitted. Drawing t from p and accepting the first child whose token is t
     has exactly that law, and emits what plain decoding with the same seed would.
+
+    The draw at a node depends only on its row and its depth (the uniform of the position it
+    emits at), so every row draws at once and the walk then only compares tokens.
     """
-    batch = target_probs.shape[0]
-    depth = _tree_depth(parents) if depth is None else depth
+    if node_depths is None and (depth is None or not greedy):
+        node_depths = _node_depths(parents)
+    if depth is None:
+        assert node_depths is not None
+        depth = int(node_depths.max()) if node_depths.numel() else 0
     if greedy:
-        return _greedy_tree_verify(target_probs.argmax(-1), node_tokens, parents, depth)
-    rows = torch.arange(batch, device=target_probs.device)
-    current = torch.full_like(rows, -1)  # node index, -1: the root
-    active = torch.ones_like(rows, dtype=torch.bool)
-    tokens = torch.full((batch, depth + 1), -1, dtype=torch.int64, device=rows.device)
-    path = torch.full((batch, depth), -1, dtype=torch.int64, device=rows.device)
-    levels = torch.arange(depth + 1, device=rows.device)
-    u = uniform(seeds, positions[:, None] + levels, SALT_SAMPLE)  # [B, depth + 1]
-    for d in range(depth + 1):
-        drawn = draw(target_probs[rows, current + 1], u[:, d])
-        tokens[:, d] = torch.where(active, drawn, -1)
-        if d == depth:
-            break
-        hit = (parents == current[:, None]) & (node_tokens == drawn[:, None]) & active[:, None]
-        found = hit.any(1)
-        child = hit.int().argmax(1)  # the first hit in index order
-        path[:, d] = torch.where(found, child, -1)
-        current = torch.where(found, child, current)
-        active = active & found
-    return tokens, (path >= 0).sum(1), path
+        drawn = target_probs.argmax(-1)  # [B, N+1]
+    else:
+        batch, rows, vocab = target_probs.shape
+        levels = torch.arange(depth + 1, device=positions.device)
+        u = uniform(seeds, positions[:, None] + levels, SALT_SAMPLE)  # [B, depth + 1]
+        assert node_depths is not None
+        row_levels = torch.cat([torch.zeros_like(node_depths[:, :1]), node_depths], 1)
+        u_rows = u.gather(1, row_levels)
+        drawn = draw(target_probs.reshape(-1, vocab), u_rows.flatten()).view(batch, rows)
+    return _walk_tree(drawn, node_tokens, parents, depth)
 
 
-def _greedy_tree_verify(
-    argmax: torch.Tensor,  # [B, N+1] each verify row's token
+def _walk_tree(
+    drawn: torch.Tensor,  # [B, N+1] the token each verify row draws
     node_tokens: torch.Tensor,  # [B, N]
     parents: torch.Tensor,  # [B, N]
     depth: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """tree_verify for one-hot rows: the draw at a node is its row's argmax, the same at every
-    try, so a node matches when its token is its parent's argmax, and once a level finds no
-    matching child of the current node no later level does."""
-    matches = node_tokens == argmax.gather(1, parents + 1)  # [B, N]
+    """tree_verify once every row has drawn: a node matches when its token is its parent's
+    draw, and once a level finds no matching child of the current node no later level does."""
+    matches = node_tokens == drawn.gather(1, parents + 1)  # [B, N]
     current = torch.full_like(parents[:, 0], -1)  # node index, -1: the root
     steps = []
     for _ in range(depth):
@@ -457,21 +478,18 @@ def _greedy_tree_verify(
     path = torch.stack(steps, 1) if steps else parents[:, :0]  # [B, depth]
     accepted = (path >= 0).sum(1)
     rows = torch.cat([torch.zeros_like(path[:, :1]), path + 1], 1)  # root, path (-1 -> root)
-    tokens = argmax.gather(1, rows)
+    tokens = drawn.gather(1, rows)
     positions = torch.arange(depth + 1, device=path.device)
     return torch.where(positions <= accepted[:, None], tokens, -1), accepted, path
 
 
-def _tree_depth(parents: torch.Tensor) -> int:
-    """Depth of the deepest node (children of the root have depth 1); 0 for no nodes."""
-    nodes = parents.shape[1]
-    if nodes == 0:
-        return 0
-    depth = torch.ones_like(parents)
-    for _ in range(nodes):  # a forest of n nodes settles after n rounds
-        above = depth.gather(1, parents.clamp(min=0))
-        depth = torch.where(parents >= 0, above + 1, 1)
-    return int(depth.max())
+def _node_depths(parents: torch.Tensor) -> torch.Tensor:
+    """[B, N] each node's depth (children of the root have depth 1)."""
+    depths = torch.ones_like(parents)
+    for _ in range(parents.shape[1]):  # a forest of n nodes settles after n rounds
+        above = depths.gather(1, parents.clamp(min=0))
+        depths = torch.where(parents >= 0, above + 1, 1)
+    return depths
 
 
 def logprobs(

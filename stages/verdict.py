@@ -62,7 +62,14 @@ class SampleStage:
         assert drafts.parents is not None
         first = dev.base + 1
         tokens, accepted, path = tree_verify(
-            probs, drafts.tokens, drafts.parents, st.seeds, first, drafts.depth, st.all_greedy
+            probs,
+            drafts.tokens,
+            drafts.parents,
+            st.seeds,
+            first,
+            drafts.depth,
+            st.all_greedy,
+            drafts.depths,
         )
         b, w, v = out.logits.shape
         tokens = F.pad(tokens, (0, w - tokens.shape[1]), value=-1)

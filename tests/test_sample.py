@@ -12,6 +12,7 @@ from stages.sample import (
     PenaltyState,
     SamplingTensors,
     chain_verify,
+    draw,
     logprobs,
     process_logits,
     sample,
@@ -82,12 +83,13 @@ def chi_square_pvalue(values: torch.Tensor, probs: torch.Tensor) -> float:
 # ---- random numbers ----
 
 
-@pytest.fixture(params=["numpy", "torch"])
+@pytest.fixture(params=["python", "numpy", "torch"])
 def hash_words(request, monkeypatch):
-    """Both murmur3 paths on the CPU: numpy's uint32 words (the CPU's) and the int64 tensors
-    an accelerator hashes with."""
+    """Every murmur3 path on the CPU: Python's ints (a few positions), numpy's uint32 words
+    (more) and the int64 tensors an accelerator hashes with."""
     if request.param == "torch":
         monkeypatch.setattr(sample_module, "HOST_HASH_DEVICES", frozenset())
+    monkeypatch.setattr(sample_module, "PYTHON_HASH_MAX", 10**9 if request.param == "python" else 0)
     return request.param
 
 
@@ -415,6 +417,47 @@ def test_tree_batch_rows_walk_independently():
     )
     assert tokens.tolist() == [[5, 4, 2, 0], [3, 7, -1, -1]]
     assert accepted.tolist() == [3, 1]
+
+
+def level_by_level_tree_verify(target_probs, node_tokens, parents, seeds, positions, depth):
+    """tree_verify as its rule reads: from the root, draw from the current node's row with
+    the uniform of the position it emits at, move to the first child holding that token."""
+    batch = target_probs.shape[0]
+    rows = torch.arange(batch)
+    current, active = torch.full((batch,), -1), torch.ones(batch, dtype=torch.bool)
+    tokens, path = torch.full((batch, depth + 1), -1), torch.full((batch, depth), -1)
+    u = uniform(seeds, positions[:, None] + torch.arange(depth + 1), SALT_SAMPLE)
+    for d in range(depth + 1):
+        drawn = draw(target_probs[rows, current + 1], u[:, d])
+        tokens[:, d] = torch.where(active, drawn, -1)
+        if d == depth:
+            break
+        hit = (parents == current[:, None]) & (node_tokens == drawn[:, None]) & active[:, None]
+        found = hit.any(1)
+        child = hit.int().argmax(1)
+        path[:, d] = torch.where(found, child, -1)
+        current = torch.where(found, child, current)
+        active = active & found
+    return tokens, (path >= 0).sum(1), path
+
+
+def test_tree_draws_every_row_at_once_as_the_level_by_level_rule_does():
+    gen = torch.Generator().manual_seed(5)
+    batch, nodes, vocab = 300, 7, 3
+    # random forests, parents before children; small vocabularies make repeated siblings
+    parents = torch.stack(
+        [torch.randint(-1, max(i, 0), (batch,), generator=gen) for i in range(nodes)], 1
+    )
+    node_tokens = torch.randint(-1, vocab, (batch, nodes), generator=gen)
+    target = torch.softmax(torch.randn(batch, nodes + 1, vocab, generator=gen) * 2, -1)
+    target[:, :, 0] *= torch.rand(batch, nodes + 1, generator=gen) < 0.7  # some zeros
+    seeds, positions = torch.arange(batch) * 7, torch.arange(batch) + 40
+    depth = int(sample_module._node_depths(parents).max())
+    got = tree_verify(target, node_tokens, parents, seeds, positions)
+    expected = level_by_level_tree_verify(target, node_tokens, parents, seeds, positions, depth)
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+    assert 0 < got[1].float().mean() and got[1].max() >= 2  # the walks go somewhere
 
 
 def test_logprobs_are_of_the_raw_distribution():
