@@ -67,9 +67,9 @@ class SampleStage:
             drafts.parents,
             st.seeds,
             first,
-            drafts.depth,
-            st.all_greedy,
-            drafts.depths,
+            depth=drafts.depth,
+            greedy=st.all_greedy,
+            node_depths=drafts.depths,
         )
         b, w, v = out.logits.shape
         tokens = F.pad(tokens, (0, w - tokens.shape[1]), value=-1)
