@@ -116,9 +116,9 @@ class PenaltyState:
 # On a device, the words are held in int64 tensors and never overflow; on the CPU, in numpy
 # uint32 arrays, whose arithmetic wraps as murmur3's does: the same bits at a third of the cost
 # of torch's small operations. A step at a small batch hashes a handful of positions, where
-# even numpy's per-call cost dominates: up to PYTHON_HASH_MAX uniforms, Python's own ints hash
-# them one by one (5 positions x 2 salts inside a decode step: 0.3-0.5 ms through numpy, 0.2 ms
-# this way). `Words` is any of the three.
+# even numpy's per-call cost dominates (a few dozen calls, each slow right after a forward has
+# emptied the caches): up to PYTHON_HASH_MAX uniforms, Python's own ints hash them one by one.
+# `Words` is any of the three.
 Words = Any
 HOST_HASH_DEVICES = frozenset({"cpu"})  # device types whose uniforms the host hashes
 PYTHON_HASH_MAX = 32

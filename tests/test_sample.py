@@ -445,9 +445,7 @@ def test_tree_draws_every_row_at_once_as_the_level_by_level_rule_does():
     gen = torch.Generator().manual_seed(5)
     batch, nodes, vocab = 300, 7, 3
     # random forests, parents before children; small vocabularies make repeated siblings
-    parents = torch.stack(
-        [torch.randint(-1, max(i, 0), (batch,), generator=gen) for i in range(nodes)], 1
-    )
+    parents = torch.stack([torch.randint(-1, i, (batch,), generator=gen) for i in range(nodes)], 1)
     node_tokens = torch.randint(-1, vocab, (batch, nodes), generator=gen)
     target = torch.softmax(torch.randn(batch, nodes + 1, vocab, generator=gen) * 2, -1)
     target[:, :, 0] *= torch.rand(batch, nodes + 1, generator=gen) < 0.7  # some zeros
