@@ -11,8 +11,10 @@ where tau is the mean acceptance length (tokens emitted per verify step). Plain 
 drafter, one token) gets the same columns for `none`. Efficiency and overhead are medians of
 each repeat's own ratio and difference (its forwards are timed right after its cell, so a
 machine whose speed drifts during the run shifts both sides alike); the ideal speedup shown
-is the decode speedup over that efficiency. "Warm efficiency" is the same ratio with each
-forward timed on its own, repeated, its weights in the cache (the sum of the warm forwards).
+is the decode speedup over that efficiency. The lowest and highest repeat's efficiency are
+kept beside it (`efficiency_range`) and printed with the efficiency aims. "Warm efficiency"
+is the same ratio with each forward timed on its own, repeated, its weights in the cache (the
+sum of the warm forwards).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
     emitted = accepted + spec
     per_pos = [sum(p) for p in zip(*(s.per_pos for s in samples), strict=False)]
     widths = [w for s in samples for w in s.widths]
+    paired = [r for r in (s.forwards_s / s.step_s for s in samples) if not math.isnan(r)]
     return {
         "tokens_per_s": med(s.tokens / s.seconds for s in samples),
         "run_s": med(s.seconds for s in samples),
@@ -59,7 +62,8 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
         "verify_ms": med(s.verify_s for s in samples) * 1e3,
         "drafting_ms": med(s.drafting_s for s in samples) * 1e3,
         "forwards_ms": med(s.forwards_s for s in samples) * 1e3,
-        "paired_efficiency": med(s.forwards_s / s.step_s for s in samples),
+        "paired_efficiency": med(paired),
+        "efficiency_range": [min(paired), max(paired)] if paired else [],
         "warm_efficiency": med((s.verify_s + s.drafting_s) / s.step_s for s in samples),
         "paired_overhead_ms": med(s.step_s - s.forwards_s for s in samples) * 1e3,
     }
@@ -116,6 +120,7 @@ def aims(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             r,
             r.get("efficiency", math.nan),
             0.85,
+            spread=r.get("efficiency_range"),
         )
         for r in drafters
     ]
@@ -141,9 +146,12 @@ def aims(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def aim(name: str, row: dict[str, Any], value: float, target: float) -> dict[str, Any]:
+def aim(
+    name: str, row: dict[str, Any], value: float, target: float, spread: list | None = None
+) -> dict[str, Any]:
+    """One aim; `spread`, where given, is the lowest and highest value over the repeats."""
     limits = ("acceptance_length", "cost_ratio", "overhead_ms", "efficiency")
-    return {
+    out = {
         "aim": name,
         "target": target,
         "value": value,
@@ -151,6 +159,15 @@ def aim(name: str, row: dict[str, Any], value: float, target: float) -> dict[str
         "row": {k: row[k] for k in ("method", "batch", "temperature")},
         "limits": {k: row.get(k) for k in limits},
     }
+    return out | ({"repeats": spread} if spread else {})
+
+
+def aim_line(goal: dict[str, Any]) -> str:
+    """`met: <aim>: <value> (aim <target>[, repeats <low>-<high>])`, as bench.speed prints it."""
+    verdict = "met" if goal["met"] else "NOT met"
+    spread = goal.get("repeats")
+    extra = f", repeats {spread[0]:.2f}-{spread[1]:.2f}" if spread else ""
+    return f"{verdict}: {goal['aim']}: {goal['value']:.2f} (aim {goal['target']:g}{extra})"
 
 
 # ---- the outputs ----

@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from bench.common import heldout_prompts
-from bench.report import aims, build_rows, markdown_table, plot, write_json
+from bench.report import aim_line, aims, build_rows, markdown_table, plot, write_json
 from bench.runners import (
     ENGINE_METHODS,
     HF_METHODS,
@@ -213,8 +213,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     goals = aims(rows)
     print(markdown_table(rows))
     for g in goals:
-        verdict = "met" if g["met"] else "NOT met"
-        print(f"{verdict}: {g['aim']}: {g['value']:.2f} (aim {g['target']:g})")
+        print(aim_line(g))
     write_json(args.out, args, rows, goals, time.perf_counter() - start)
     plot(rows, args.plot)
     print(f"wrote {args.out} and {args.plot} in {time.perf_counter() - start:.0f} s")

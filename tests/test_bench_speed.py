@@ -42,6 +42,7 @@ def test_efficiency_pairs_each_repeat_with_its_own_forwards():
     ]
     row = report.summarize(samples)
     assert row["paired_efficiency"] == pytest.approx(0.8)  # 16/20, 32/40, 20/30
+    assert row["efficiency_range"] == pytest.approx([2 / 3, 0.8])
     assert row["paired_overhead_ms"] == pytest.approx(8.0)  # 4, 8, 10
     assert row["warm_efficiency"] == pytest.approx(0.7)  # 14/20, 30/40, 18/30
     # the ratio of the medians would mix repeats: 20 / 30
@@ -205,10 +206,11 @@ def test_aims_compare_the_right_rows():
         row("hf-generate", 25.0),
         row("hf-assisted", 30.0),
         row("draft", 34.0, 1.7, efficiency=0.9, acceptance_length=3.0),
-        row("ngram", 46.0, 2.3, efficiency=0.8),
+        row("ngram", 46.0, 2.3, efficiency=0.8, efficiency_range=[0.75, 0.875]),
         {**row("ngram", 400.0, 2.3), "batch": 16},  # not batch 1: never the best
     ]
-    got = {a["aim"]: (a["value"], a["met"]) for a in report.aims(rows)}
+    goals = report.aims(rows)
+    got = {a["aim"]: (a["value"], a["met"]) for a in goals}
     assert got == {
         "efficiency of draft at t=0": (0.9, True),
         "efficiency of ngram at t=0": (0.8, False),
@@ -217,3 +219,6 @@ def test_aims_compare_the_right_rows():
         "best drafter (ngram) / hf-assisted at t=0": (pytest.approx(46 / 30), True),
         "draft / none at t=0": (1.7, True),
     }
+    lines = [report.aim_line(a) for a in goals]
+    assert "NOT met: efficiency of ngram at t=0: 0.80 (aim 0.85, repeats 0.75-0.88)" in lines
+    assert "met: efficiency of draft at t=0: 0.90 (aim 0.85)" in lines  # no range given
