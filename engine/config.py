@@ -38,9 +38,11 @@ class SpecConfig:
     method: str = "none"
     draft: str | None = None  # draft model / head directory; None: the built-in demo's
     num_speculative_tokens: int = 4  # k: the demo pair's acceptance peaks around 4 (bench/)
-    # chains: a sampled request's drafts are draws from the drafter's processed q (accepted
-    # with min(1, p/q), far more often than the argmax's p at temperature 1); an all-greedy
-    # step drafts the argmax either way. Trees always verify top-k children (point masses).
+    # a sampled request's drafts are draws from the drafter's processed q (accepted with
+    # min(1, p/q), far more often than the argmax's p at temperature 1): a chain's tokens, a
+    # fixed tree's children (independent draws at each node, verified by the multi-draft rule);
+    # an all-greedy step drafts the argmax either way, and a dynamic tree, which ranks its
+    # candidates by score, always verifies top-k children (point masses)
     sampled_drafts: bool = True
     ngram_min: int = 1  # n-gram drafter: shortest suffix matched against the context
     ngram_max: int = 4  # longest suffix tried first

@@ -19,7 +19,8 @@ class Drafts:
     """What a drafter proposes for one step."""
 
     tokens: torch.Tensor  # [B, k] int64 draft tokens (entries past num_drafts are ignored)
-    probs: torch.Tensor | None = None  # [B, k, V] processed q where sampled; None: point masses
+    # [B, k, V] the processed q each draft was drawn from where sampled; None: point masses
+    probs: torch.Tensor | None = None
     # A tree (None for a chain): k nodes, parents before children, -1 tokens never accepted.
     # Node i is verified at position base + its depth and written at slot base + 1 + i.
     parents: torch.Tensor | None = None  # [B, k] int64 parent node, -1: child of the root
@@ -28,6 +29,7 @@ class Drafts:
     depths: torch.Tensor | None = None  # [B, k] int64 each node's depth
     positions: torch.Tensor | None = None  # [B, k + 1] verify positions: root, then nodes
     mask: torch.Tensor | None = None  # [B, k + 1, Lmax] bool, the step's keys each row sees
+    siblings: int = 0  # a tree with sampled children (probs given): most children of a node
 
 
 @dataclass

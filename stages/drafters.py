@@ -73,4 +73,5 @@ def _eagle_tree(spec: SpecConfig, engine: Any, head: EagleHead) -> EagleTreeDraf
     page_size = engine.config.kv.page_size
     scratch_pages = -(-rows * shape.scratch_size // page_size)
     cache = engine._new_cache(head, pages + scratch_pages, engine.cache.data.dtype)
-    return EagleTreeDrafter(head, cache, rows, shape, engine.cache, pages * page_size)
+    start = pages * page_size
+    return EagleTreeDrafter(head, cache, rows, shape, engine.cache, start, spec.sampled_drafts)

@@ -30,6 +30,7 @@ from stages.draft import (
 )
 from stages.plan import DevicePlan, Plan, drafter_metadata
 from stages.refill import move_tree_path
+from stages.sample import SALT_CHILD, SamplingTensors, draw, process_logits, uniforms
 
 
 class EagleDrafter:
@@ -153,18 +154,26 @@ class EagleTreeDrafter(EagleDrafter):
         shape: FixedTree | DynamicTree,
         target_cache: KVCache,
         scratch_start: int,
+        sampled: bool = False,
     ):
-        super().__init__(head, cache, max_rows, sampled=False)
+        super().__init__(head, cache, max_rows, sampled)
         self.shape = shape
         self.target_cache = target_cache
         self.scratch_start = scratch_start  # first scratch slot; row r owns S after r * S
 
     def propose(self, plan: Plan, dev: DevicePlan) -> Drafts:
-        tokens, parents, depths, ancestors = self.shape.draft(self, dev, plan.k)  # [B, N] ...
+        st, shape = plan.sampling, self.shape
+        if self.sampled and not st.all_greedy and isinstance(shape, FixedTree):
+            tokens, parents, depths, ancestors, q = shape.draft(self, dev, plan.k, st)
+            siblings = shape.siblings
+        else:
+            tokens, parents, depths, ancestors, q = shape.draft(self, dev, plan.k)
+            siblings = 0
         # never accept past num_drafts: deeper nodes become padding (their subtrees too)
         tokens = torch.where(depths <= dev.num_drafts[:, None], tokens, -1)
-        depth = min(self.shape.depth, plan.k)
-        return tree_drafts(dev, tokens, parents, depths, depth, ancestors)
+        drafts = tree_drafts(dev, tokens, parents, depths, min(shape.depth, plan.k), ancestors)
+        drafts.probs, drafts.siblings = q, siblings
+        return drafts
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
         if verdict.path is None:  # a step that drafted nothing: a chain of width 1
@@ -236,13 +245,16 @@ class FixedTree:
     """A fixed tree given as paths of child ranks (Medusa / EAGLE style): path (0, 2) is the
     third-best child of the root's best child. Nodes are ordered by depth, then path, so that
     parents come first, each depth's nodes are consecutive and any prefix of the nodes is a
-    tree."""
+    tree. For a sampled request a node's children are instead independent draws from the
+    head's processed q (rank r: the draw keyed by SALT_CHILD + r), as the sampler's
+    multi-draft rule needs."""
 
     def __init__(self, paths: tuple[tuple[int, ...], ...], device: torch.device):
         order = sorted(paths, key=lambda p: (len(p), p))
         index = {p: i for i, p in enumerate(order)}
         self.size, self.depth = len(order), max(len(p) for p in order)
         parents = [index[p[:-1]] if len(p) > 1 else -1 for p in order]
+        self.siblings = max(parents.count(parent) for parent in parents)  # most children
         inner = sorted({index[p[:-1]] for p in order if len(p) > 1})  # nodes with children
         scratch = {node: e for e, node in enumerate(inner)}
         self.scratch_size = max(len(inner), 1)
@@ -251,8 +263,9 @@ class FixedTree:
         self.parents, self.depths = as_tensor(parents), as_tensor([len(p) for p in order])
         self.ancestors = tree_ancestors(self.parents[None], self.depth)  # [1, N, N]
         # per depth: (where its nodes sit among the flattened top children [m * width] of the
-        # m nodes run at the depth above, width = the worst rank taken + 1)
-        self.levels: list[tuple[torch.Tensor, int]] = []
+        # m nodes run at the depth above, width = the worst rank taken + 1; their parents'
+        # places among those m nodes)
+        self.levels: list[tuple[torch.Tensor, int, torch.Tensor]] = []
         # per depth < max: (first scratch index, the run nodes' places among the depth's
         # nodes, their parents' places among the nodes run above (None: the root), [1, m, S]
         # the scratch nodes on each run node's path)
@@ -261,8 +274,9 @@ class FixedTree:
         for level in range(1, self.depth + 1):
             nodes = [i for i, p in enumerate(order) if len(p) == level]
             width = max(order[i][-1] for i in nodes) + 1
-            flat = [above.index(parents[i]) * width + order[i][-1] for i in nodes]
-            self.levels.append((as_tensor(flat), width))
+            fed_by = [above.index(parents[i]) for i in nodes]
+            flat = [place * width + order[i][-1] for place, i in zip(fed_by, nodes, strict=True)]
+            self.levels.append((as_tensor(flat), width, as_tensor(fed_by)))
             if level < self.depth:
                 run = [e for e in inner if len(order[e]) == level]
                 feeds = as_tensor([above.index(parents[e]) for e in run]) if level > 1 else None
@@ -280,16 +294,24 @@ class FixedTree:
                 node = parents[node]
         return visible.to(self.device)
 
-    def draft(self, d: EagleTreeDrafter, dev: DevicePlan, n: int):
-        """(tokens, parents, depths) [B, n] of the first n nodes, and their ancestors [B, n, n]
-        (a prefix of the nodes is a tree: its ancestors are a corner of the whole tree's).
-        Children are ranked by the head's logits (the same order as its probabilities)."""
+    def draft(
+        self, d: EagleTreeDrafter, dev: DevicePlan, n: int, st: SamplingTensors | None = None
+    ):
+        """(tokens, parents, depths) [B, n] of the first n nodes, their ancestors [B, n, n] (a
+        prefix of the nodes is a tree: its ancestors are a corner of the whole tree's), and q
+        [B, n, V], the distribution each node was drawn from (None: ranked children). Without
+        `st` children are ranked by the head's logits (the order of its probabilities)."""
         logits, hidden = d.roots(dev)  # [B, V], [B, H]
         b = logits.shape[0]
         children, hidden = logits[:, None], hidden[:, None]  # the nodes run: the root
-        tokens = []  # per depth [B, its nodes]
-        for level, (flat, width) in enumerate(self.levels, start=1):
-            top = children.topk(width, dim=-1).indices.flatten(1)  # [B, m * width]
+        tokens, drawn_from = [], []  # per depth [B, its nodes], [B, its nodes, V]
+        for level, (flat, width, fed_by) in enumerate(self.levels, start=1):
+            if st is None:
+                top = children.topk(width, dim=-1).indices.flatten(1)  # [B, m * width]
+            else:
+                q = process_logits(children, st)  # [B, m, V]
+                top = self._children(q, width, st.seeds, dev.base + level)
+                drawn_from.append(q.index_select(1, fed_by))
             tokens.append(top.index_select(1, flat))
             if level == self.depth:
                 break
@@ -302,7 +324,24 @@ class FixedTree:
             children, hidden = d.expand(dev, level, first, ids, fed, visible)
         expand = lambda t: t[None, :n].expand(b, -1)
         ancestors = self.ancestors[:, :n, :n].expand(b, -1, -1)
-        return torch.cat(tokens, 1)[:, :n], expand(self.parents), expand(self.depths), ancestors
+        q_nodes = torch.cat(drawn_from, 1)[:, :n] if drawn_from else None
+        return (
+            torch.cat(tokens, 1)[:, :n],
+            expand(self.parents),
+            expand(self.depths),
+            ancestors,
+            q_nodes,
+        )
+
+    @staticmethod
+    def _children(q: torch.Tensor, width: int, seeds: torch.Tensor, positions: torch.Tensor):
+        """[B, m * width]: `width` independent draws from each of the m rows of q [B, m, V],
+        the rank-r draws keyed by (seed, the children's position, SALT_CHILD + r)."""
+        b, m, vocab = q.shape
+        salts = tuple(SALT_CHILD + r for r in range(width))
+        u = uniforms(seeds, positions, salts).T[:, None].expand(b, m, width)  # [B, m, width]
+        rows = q[:, :, None].expand(b, m, width, vocab).reshape(-1, vocab)
+        return draw(rows, u.flatten()).view(b, m * width)
 
 
 class DynamicTree:
@@ -318,7 +357,8 @@ class DynamicTree:
         self.depths = torch.tensor(depths, dtype=torch.long, device=device)  # [C] candidates
 
     def draft(self, d: EagleTreeDrafter, dev: DevicePlan, n: int):
-        """(tokens, parents, depths) [B, n]; ancestors None (tree_drafts finds them)."""
+        """(tokens, parents, depths) [B, n]; ancestors and q None (tree_drafts finds the
+        ancestors; children ranked by score are point masses)."""
         k, s = self.topk, self.scratch_size
         logits, feature = d.roots(dev)  # [B, V], [B, H]
         logp = logits.log_softmax(-1)
@@ -352,7 +392,7 @@ class DynamicTree:
         best = _best(
             torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1), self.depths, n
         )
-        return *best, None
+        return *best, None, None
 
 
 def _best(scores, tokens, parents, depths, n: int):

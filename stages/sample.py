@@ -3,8 +3,10 @@
 No shared random generator: every uniform is a hash of (request seed, absolute token position,
 purpose salt), so a request draws the same numbers whatever else is in the batch. The token
 emitted at position P always comes from `sample(p, seed, P, SALT_SAMPLE)`; with point-mass
-drafts (argmax, n-gram, a tree's children) the acceptance rule is realised through that very
-sample, so speculation then emits the same tokens as plain decoding with the same seed.
+drafts (argmax, n-gram, a greedy or dynamic tree's children) the acceptance rule is realised
+through that very sample, so speculation then emits the same tokens as plain decoding with the
+same seed. Drafts drawn from the drafter's q (sampled chains and fixed trees) keep p's law but
+not those very tokens.
 
 A token's position is the index it takes in the request's sequence (prompt + output), so the
 first output token of a prompt of length L has position L.
@@ -24,6 +26,9 @@ from models.attention import cast
 SALT_SAMPLE = 0  # the token emitted at a position: plain decode, bonus, recovered, tree
 SALT_ACCEPT = 1  # the accept test of a sampled draft token
 SALT_DRAFT = 2  # for drafters that sample q; must stay apart from the two above
+# a sampled tree: its rank-r children drawn from q (the drafter), their accept tests (the sampler)
+SALT_CHILD = 1 << 16  # + r
+SALT_CHILD_ACCEPT = 1 << 17  # + r
 
 _MASK32 = 0xFFFFFFFF
 
@@ -428,23 +433,31 @@ def tree_verify(
     depth: int | None = None,  # a bound on the tree's depth, known to the caller (no sync)
     greedy: bool = False,  # every row of target_probs is one-hot (see `sample`)
     node_depths: torch.Tensor | None = None,  # [B, N] from 1, when the caller knows them
+    draft_probs: torch.Tensor | None = None,  # [B, N, V] the q each node was drawn from
+    siblings: int = 0,  # with draft_probs: a bound on any node's children
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The tree acceptance rule, children as point masses.
+    """The tree acceptance rule. Returns (tokens [B, depth+1] int64 -1 padded, num_accepted
+    [B], path [B, depth] accepted node indices -1 padded), depth being the tree's or the bound
+    given.
 
-    Returns (tokens [B, depth+1] int64 -1 padded, num_accepted [B], path [B, depth] accepted
-    node indices -1 padded), depth being the tree's or the bound given. From the root, the
-    children of the current node are tried in index order, child c accepted with probability
-    p(c), p(c) := 0 and renormalised after each rejection; if none is accepted a draw of the
-    remaining p is emitted. Drawing t from p and accepting the first child whose token is t
-    has exactly that law, and emits what plain decoding with the same seed would.
+    Children as point masses (draft_probs None, or greedy): from the root, the children of the
+    current node are tried in index order, child c accepted with probability p(c), p(c) := 0
+    and renormalised after each rejection; if none is accepted a draw of the remaining p is
+    emitted. Drawing t from p and accepting the first child whose token is t has exactly that
+    law, and emits what plain decoding with the same seed would. The draw at a node depends
+    only on its row and its depth (the uniform of the position it emits at), so every row
+    draws at once and the walk then only compares tokens.
 
-    The draw at a node depends only on its row and its depth (the uniform of the position it
-    emits at), so every row draws at once and the walk then only compares tokens.
+    Children drawn independently from the drafter's q: `_sampled_tree_walk`.
     """
     if node_depths is None:
         node_depths = _node_depths(parents)
     if depth is None:
         depth = int(node_depths.max()) if node_depths.numel() else 0
+    if draft_probs is not None and not greedy:
+        return _sampled_tree_walk(
+            target_probs, node_tokens, parents, draft_probs, seeds, positions, depth, siblings
+        )
     if greedy:
         drawn = target_probs.argmax(-1)  # [B, N+1]
     else:
@@ -455,6 +468,63 @@ def tree_verify(
         u_rows = u.gather(1, row_levels)
         drawn = draw(target_probs.reshape(-1, vocab), u_rows.flatten()).view(batch, rows)
     return _walk_tree(drawn, node_tokens, parents, depth)
+
+
+def _sampled_tree_walk(
+    target_probs: torch.Tensor,  # [B, N+1, V]
+    node_tokens: torch.Tensor,  # [B, N]
+    parents: torch.Tensor,  # [B, N]
+    draft_probs: torch.Tensor,  # [B, N, V] q of each node (its siblings share it)
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    depth: int,
+    siblings: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tree_verify for children drawn independently from q (SpecInfer's multi-draft rule): at
+    the current node its children are tested in index order, child x accepted with probability
+    min(1, p(x) / q(x)) and p := norm(max(0, p - q)) after each rejection; if none is accepted
+    a draw of the remaining p is emitted. Each level's emitted token then follows p whatever
+    q is, as with one sampled draft (the chain's rule is this with one child a node)."""
+    batch, _, vocab = target_probs.shape
+    siblings = max(siblings, 1)
+    rows = torch.arange(batch, device=positions.device)
+    nodes = torch.arange(node_tokens.shape[1], device=positions.device)
+    levels = torch.arange(depth + 1, device=positions.device)
+    salts = tuple(SALT_CHILD_ACCEPT + r for r in range(siblings))
+    u = uniforms(seeds, positions[:, None] + levels, salts).permute(1, 2, 0)  # [B, D+1, S]
+    current = torch.full_like(positions, -1)  # node index, -1: the root
+    walking = torch.ones_like(positions, dtype=torch.bool)
+    steps, kept, remaining = [], [], []
+    for level in range(depth + 1):
+        p = target_probs[rows, current + 1]  # [B, V]
+        child = (parents == current[:, None]) & (node_tokens >= 0)  # [B, N]
+        order = torch.where(child, nodes, nodes + nodes.numel()).argsort(1)[:, :siblings]
+        valid = child.gather(1, order)  # [B, S] the children, in index order, then padding
+        x = node_tokens.gather(1, order).clamp(min=0)  # [B, S]
+        q = draft_probs[rows, order[:, 0]]  # [B, V]
+        residuals = [p]  # p after 0, 1, .. rejections
+        for _ in range(siblings):
+            left = (residuals[-1] - q).clamp(min=0)
+            total = left.sum(-1, keepdim=True)
+            # p == q leaves no residual; a rejection then has probability 0 up to rounding
+            residuals.append(torch.where(total > 0, left / total, residuals[-1]))
+        stacked = torch.stack(residuals, 1)  # [B, S + 1, V]
+        p_x = stacked[:, :siblings].gather(2, x[..., None]).squeeze(2)  # [B, S]
+        passed = valid & (u[:, level] * q.gather(1, x) < p_x)  # never if p(x) = 0
+        first = passed.int().argmax(1)  # the first child that passes
+        accepted = walking & passed.any(1)
+        remaining.append(stacked[rows, valid.sum(1)])  # what a stop here draws from
+        node = order[rows, first]
+        steps.append(torch.where(accepted, node, -1))
+        kept.append(torch.where(accepted, x[rows, first], -1))
+        current = torch.where(accepted, node, current)
+        walking = accepted
+    path = torch.stack(steps[:depth], 1) if depth else parents[:, :0]  # [B, depth]
+    num_accepted = (path >= 0).sum(1)
+    stop = torch.stack(remaining, 1)[rows, num_accepted]  # [B, V]
+    last = draw(stop, uniform(seeds, positions + num_accepted, SALT_SAMPLE))
+    tokens = torch.stack(kept, 1)  # [B, depth + 1], -1 from the stop on
+    return tokens.scatter(1, num_accepted[:, None], last[:, None]), num_accepted, path
 
 
 def _walk_tree(

@@ -56,7 +56,7 @@ class SampleStage:
         drafts: Drafts,
         penalties: PenaltyState | None,
     ) -> Verdict:
-        """The tree rule (children as point masses); tokens padded to [B, W] like a chain's."""
+        """The tree rule; tokens padded to [B, W] like a chain's."""
         st = plan.sampling
         probs = _tree_probs(out.logits, st, penalties, drafts)
         assert drafts.parents is not None
@@ -70,6 +70,8 @@ class SampleStage:
             depth=drafts.depth,
             greedy=st.all_greedy,
             node_depths=drafts.depths,
+            draft_probs=drafts.probs,
+            siblings=drafts.siblings,
         )
         b, w, v = out.logits.shape
         tokens = F.pad(tokens, (0, w - tokens.shape[1]), value=-1)

@@ -25,18 +25,22 @@ from stages.refill import move_tree_path
 from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
 from tests.test_attention import shuffled_allocator
 from tests.test_eagle import random_head
+from tests.test_sample import chi_square_pvalue
 from tests.test_speculative_stats import (
     PARAMS,
     PROMPT,
     TOKENS,
     VOCAB,
+    N,
     chi_square_p_value,
     exact_joint,
 )
-from tests.test_speculative_stats import N as DRAWS
 from tests.tiny import write_model
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+# requests of the sampling-law tests: the fixed tree draws its children from q, and its test
+# rejects a 2% shift of mass only with twice the chain's (its 3,000 draws gave p = 0.02 there)
+DRAWS = {"fixed": 2 * N, "dynamic": N}
 FIXED = ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0))
 TREES = {
     "chain": dict(tree="chain"),
@@ -45,9 +49,10 @@ TREES = {
 }
 
 
-def tree_config(target, head, tree: str, **kw):
+def tree_config(target, head, tree: str, sampled_drafts: bool = True, **kw):
     """Every decode step drafts the whole tree (no cost model shrinking it)."""
-    return make_config(target, "eagle", head, spec_kw=TREES[tree] | {"adaptive_k": False}, **kw)
+    spec = TREES[tree] | {"adaptive_k": False, "sampled_drafts": sampled_drafts}
+    return make_config(target, "eagle", head, spec_kw=spec, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -271,6 +276,20 @@ async def test_tree_nodes_are_the_heads_top_children(tiny_target, head_dir, tree
                     assert token in top[: TREES["dynamic"]["tree_topk"]], (name, base, node)
 
 
+def test_fixed_tree_children_are_independent_draws_of_q():
+    """A sampled node's ranked children: each rank a draw of q, independent of the others."""
+    draws = 40_000
+    q = torch.tensor([0.1, 0.3, 0.0, 0.4, 0.2, 0.0])
+    children = eagle_drafter.FixedTree._children(
+        q.expand(draws, 1, 6), 2, torch.arange(draws) * 3 + 1, torch.full((draws,), 9)
+    )  # [draws, 2]: ranks 0 and 1 of one node
+    joint = children[:, 0] * 6 + children[:, 1]
+    assert chi_square_pvalue(joint, torch.outer(q, q).flatten()) > 1e-3
+    moved = q.clone()
+    moved[3], moved[0] = 0.38, 0.12  # 2% of the likeliest token's mass elsewhere
+    assert chi_square_pvalue(joint, torch.outer(moved, moved).flatten()) < 1e-3
+
+
 def dense_top(head, committed: list[int], walk: list[int], k: int) -> list[int]:
     """The head's top-k next tokens after the committed pairs and its own steps along walk."""
     n = len(committed) - 1
@@ -325,10 +344,27 @@ async def test_greedy_trees_equal_plain(small, prompts, expected, tree, pages, m
         assert max(moved, default=0) >= 2  # some path of two or more nodes moved
 
 
+async def test_greedy_rows_of_a_sampled_fixed_tree_step_equal_plain(small, prompts, expected):
+    """Greedy requests batched with sampled ones: their children are drawn from one-hot q and
+    verified by the multi-draft rule, and must still give plain greedy output."""
+    sampled = SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True, seed=4)
+    async with running(tree_config(*small, "fixed", max_batch_tokens=64)) as engine:
+        outs = await asyncio.gather(
+            *(engine.generate(p, GREEDY if i % 2 else sampled) for i, p in enumerate(prompts))
+        )
+        await engine.wait_idle()
+        assert engine.allocator.num_free == engine.allocator.num_pages
+    for i, (out, plain) in enumerate(zip(outs, expected, strict=True)):
+        if i % 2:
+            assert token_ids(out) == plain
+    assert sum(out[-1].usage.accepted_tokens for out in outs[::2]) > 0  # sampled rows accept
+
+
 @pytest.mark.parametrize("tree", ["fixed", "dynamic"])
 async def test_seeded_sampling_with_penalties_equals_plain(tiny_target, head_dir, tree):
-    """Point-mass drafts emit exactly what plain decoding draws with the same seeds, so the
-    outputs must match token for token, penalties counted along each node's own path."""
+    """Point-mass drafts (ranked children, as a dynamic tree always drafts) emit exactly what
+    plain decoding draws with the same seeds, so the outputs must match token for token,
+    penalties counted along each node's own path."""
     params = SamplingParams(
         max_tokens=16,
         temperature=0.9,
@@ -342,7 +378,8 @@ async def test_seeded_sampling_with_penalties_equals_plain(tiny_target, head_dir
     prompts = ragged_prompts(6, 300, seed=8)
     async with running(make_config(tiny_target, pages=128)) as engine:
         plain = await staggered(engine, prompts, params)
-    async with running(tree_config(tiny_target, head_dir, tree, pages=128)) as engine:
+    config = tree_config(tiny_target, head_dir, tree, sampled_drafts=False, pages=128)
+    async with running(config) as engine:
         assert await staggered(engine, prompts, params, seed=2) == plain
         await engine.wait_idle()
         assert engine.allocator.num_free == engine.allocator.num_pages
@@ -377,7 +414,7 @@ def stats_models(tmp_path_factory):
     return target, head
 
 
-async def tree_joint(target, head, tree: str) -> dict[tuple[int, ...], int]:
+async def tree_joint(target, head, tree: str, draws: int) -> dict[tuple[int, ...], int]:
     trees = {
         "fixed": dict(tree="fixed", tree_paths=((0,), (1,), (0, 0), (1, 0), (0, 0, 0))),
         "dynamic": dict(tree="dynamic", tree_nodes=5, tree_depth=3, tree_topk=2),
@@ -386,17 +423,17 @@ async def tree_joint(target, head, tree: str) -> dict[tuple[int, ...], int]:
         target,
         "eagle",
         head,
-        pages=4 * DRAWS,
+        pages=4 * draws,
         page_size=4,
-        max_running=DRAWS,
-        max_waiting=DRAWS,
-        max_batch_tokens=len(PROMPT) * DRAWS,
+        max_running=draws,
+        max_waiting=draws,
+        max_batch_tokens=len(PROMPT) * draws,
         max_model_len=16,
     )
     config = replace(config, spec=replace(config.spec, adaptive_k=False, **trees[tree]))
     async with running(config) as engine:
         outs = await asyncio.gather(
-            *(engine.generate(PROMPT, SamplingParams(seed=i, **PARAMS)) for i in range(DRAWS))
+            *(engine.generate(PROMPT, SamplingParams(seed=i, **PARAMS)) for i in range(draws))
         )
         await engine.wait_idle()
         assert engine.allocator.num_free == engine.allocator.num_pages
@@ -413,10 +450,11 @@ async def tree_joint(target, head, tree: str) -> dict[tuple[int, ...], int]:
 def test_sampled_trees_follow_the_target(stats_models, tree):
     target, head = stats_models
     expected = exact_joint(target)
-    observed = asyncio.run(tree_joint(target, head, tree))
-    assert sum(observed.values()) == DRAWS
+    draws = DRAWS[tree]
+    observed = asyncio.run(tree_joint(target, head, tree, draws))
+    assert sum(observed.values()) == draws
     assert all(len(k) == TOKENS for k in observed)
-    assert chi_square_p_value(observed, expected, DRAWS) > 1e-3
+    assert chi_square_p_value(observed, expected, draws) > 1e-3
     # power: the same draws reject a law with 2% of the likeliest first token's mass moved
     first = max(range(VOCAB), key=lambda t: sum(p for k, p in expected.items() if k[0] == t))
     mass = sum(p for k, p in expected.items() if k[0] == first)
@@ -426,4 +464,4 @@ def test_sampled_trees_follow_the_target(stats_models, tree):
             moved = (k[0] + 1) % VOCAB, *k[1:]
             shifted[k] -= p * 0.02 / mass
             shifted[moved] = shifted.get(moved, 0) + p * 0.02 / mass
-    assert chi_square_p_value(observed, shifted, DRAWS) < 1e-3
+    assert chi_square_p_value(observed, shifted, draws) < 1e-3

@@ -8,6 +8,7 @@ import stages.sample as sample_module
 from engine.request import SamplingParams
 from stages.sample import (
     SALT_ACCEPT,
+    SALT_CHILD_ACCEPT,
     SALT_SAMPLE,
     PenaltyState,
     SamplingTensors,
@@ -18,6 +19,7 @@ from stages.sample import (
     sample,
     tree_verify,
     uniform,
+    uniforms,
 )
 
 F64 = torch.float64
@@ -538,6 +540,67 @@ def test_tree_is_reproducible_whatever_the_batch():
         assert torch.equal(b[where], a)
 
 
+def sampled_tree_row_by_row(target, node_tokens, parents, q, seeds, positions, depth, siblings):
+    """tree_verify with sampled children as its rule reads, one row at a time: at the current
+    node test its children in index order, child x with its rank's uniform against
+    p(x) / q(x), p := norm(max(0, p - q)) after each rejection; if none passes, draw from p."""
+    batch, nodes = node_tokens.shape
+    levels = positions[:, None] + torch.arange(depth + 1)
+    tests = uniforms(seeds, levels, tuple(SALT_CHILD_ACCEPT + r for r in range(siblings)))
+    emits = uniform(seeds, levels, SALT_SAMPLE)
+    tokens, path = torch.full((batch, depth + 1), -1), torch.full((batch, depth), -1)
+    for b in range(batch):
+        current = -1
+        for level in range(depth + 1):
+            p = target[b, current + 1]
+            children = [
+                i for i in range(nodes) if parents[b, i] == current and node_tokens[b, i] >= 0
+            ]
+            chosen = None
+            for rank, node in enumerate(children):
+                x = int(node_tokens[b, node])
+                if tests[rank, b, level] * q[b, node, x] < p[x]:
+                    chosen = node
+                    break
+                left = (p - q[b, node]).clamp(min=0)
+                p = left / left.sum() if left.sum() > 0 else p
+            if chosen is None:
+                tokens[b, level] = draw(p[None], emits[b, level : level + 1])[0]
+                break
+            tokens[b, level], path[b, level], current = node_tokens[b, chosen], chosen, chosen
+    return tokens, (path >= 0).sum(1), path
+
+
+def test_sampled_tree_walk_applies_the_rule_row_by_row():
+    gen = torch.Generator().manual_seed(9)
+    batch, nodes, vocab = 200, 7, 3
+    # random forests, parents before children; small vocabularies make repeated siblings
+    parents = torch.stack([torch.randint(-1, i, (batch,), generator=gen) for i in range(nodes)], 1)
+    node_tokens = torch.randint(-1, vocab, (batch, nodes), generator=gen)
+    target = torch.softmax(torch.randn(batch, nodes + 1, vocab, generator=gen) * 2, -1)
+    target[:, :, 0] *= torch.rand(batch, nodes + 1, generator=gen) < 0.7  # some zeros
+    target = target / target.sum(-1, keepdim=True)
+    q = torch.softmax(torch.randn(batch, nodes, vocab, generator=gen) * 2, -1)
+    # siblings share their parent's q, as drafted
+    q = torch.where(
+        (parents >= 0)[..., None],
+        q.gather(1, parents.clamp(min=0)[..., None].expand(-1, -1, vocab)),
+        q[:, :1],
+    )
+    seeds, positions = torch.arange(batch) * 5, torch.arange(batch) + 30
+    depth = int(sample_module._node_depths(parents).max())
+    siblings = max(int((parents == i).sum(1).max()) for i in range(-1, nodes))
+    got = tree_verify(
+        target, node_tokens, parents, seeds, positions, draft_probs=q, siblings=siblings
+    )
+    expected = sampled_tree_row_by_row(
+        target, node_tokens, parents, q, seeds, positions, depth, siblings
+    )
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+    assert got[1].max() >= 2 and (got[2][:, 0] > 0).any()  # deep walks, not only first children
+
+
 # ---- statistics ----
 #
 # Power: N = 200k draws over V = 6 values (5 degrees of freedom), rejected at p < 1e-3
@@ -645,6 +708,34 @@ def test_tree_follows_p():
     tokens, accepted, path = tree_verify(target, node_tokens, parents, seeds, positions)
     assert tokens.shape == (N, 3) and path.shape == (N, 2)
     assert_first_two_follow_p(tokens, accepted, seeds, positions)
+
+
+def test_tree_with_sampled_children_follows_p():
+    gen = torch.Generator().manual_seed(11)
+    # the root's three children drawn from q, two below the first, one below the second
+    top = torch.multinomial(Q_FIRST, 3 * N, replacement=True, generator=gen).view(N, 3)
+    under_first = torch.multinomial(Q_NEXT[top[:, 0]], 2, replacement=True, generator=gen)
+    under_second = torch.multinomial(Q_NEXT[top[:, 1]], 1, generator=gen)
+    node_tokens = torch.cat([top, under_first, under_second], 1)
+    parents = torch.tensor([[-1, -1, -1, 0, 0, 1]]).expand(N, 6)
+    rows = [P_FIRST.expand(N, 6), *(P_NEXT[top[:, i]] for i in range(3))]
+    rows += [P_THIRD[node_tokens[:, i]] for i in range(3, 6)]
+    q = [Q_FIRST.expand(N, 6)] * 3 + [Q_NEXT[top[:, 0]]] * 2 + [Q_NEXT[top[:, 1]]]
+    seeds, positions = torch.arange(N) + 77, torch.full((N,), 12)
+    tokens, accepted, path = tree_verify(
+        torch.stack(rows, 1).float(),
+        node_tokens,
+        parents,
+        seeds,
+        positions,
+        draft_probs=torch.stack(q, 1).float(),
+        siblings=3,
+    )
+    assert tokens.shape == (N, 3) and path.shape == (N, 2)
+    assert_first_two_follow_p(tokens, accepted, seeds, positions)
+    # three tries at the root accept more often than one draft, whose rate is 1 - TV(p, q)
+    one_draft = torch.minimum(P_FIRST, Q_FIRST).sum()
+    assert accepted.ge(1).double().mean() > one_draft + 0.05
 
 
 def test_greedy_flag_draws_what_the_uniforms_draw_from_one_hot_rows():
