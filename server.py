@@ -345,8 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--argmax-drafts",
         action="store_true",
-        help="chains: draft the drafter's argmax for sampled requests too, instead of a draw "
-        "from its distribution (which the target accepts far more often at temperature > 0)",
+        help="chains and fixed trees: draft the drafter's top tokens for sampled requests "
+        "too, instead of draws from its distribution (which the target accepts far more "
+        "often at temperature > 0)",
     )
     return parser
 
