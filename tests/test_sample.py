@@ -443,14 +443,20 @@ def level_by_level_tree_verify(target_probs, node_tokens, parents, seeds, positi
     return tokens, (path >= 0).sum(1), path
 
 
-def test_tree_draws_every_row_at_once_as_the_level_by_level_rule_does():
-    gen = torch.Generator().manual_seed(5)
-    batch, nodes, vocab = 300, 7, 3
-    # random forests, parents before children; small vocabularies make repeated siblings
+def random_forests(gen: torch.Generator, batch: int, nodes: int, vocab: int):
+    """(parents, node tokens [B, N], target probabilities [B, N + 1, V], some zero): random
+    forests, parents before children; small vocabularies make repeated siblings."""
     parents = torch.stack([torch.randint(-1, i, (batch,), generator=gen) for i in range(nodes)], 1)
     node_tokens = torch.randint(-1, vocab, (batch, nodes), generator=gen)
     target = torch.softmax(torch.randn(batch, nodes + 1, vocab, generator=gen) * 2, -1)
-    target[:, :, 0] *= torch.rand(batch, nodes + 1, generator=gen) < 0.7  # some zeros
+    target[:, :, 0] *= torch.rand(batch, nodes + 1, generator=gen) < 0.7
+    return parents, node_tokens, target
+
+
+def test_tree_draws_every_row_at_once_as_the_level_by_level_rule_does():
+    gen = torch.Generator().manual_seed(5)
+    batch, nodes, vocab = 300, 7, 3
+    parents, node_tokens, target = random_forests(gen, batch, nodes, vocab)
     seeds, positions = torch.arange(batch) * 7, torch.arange(batch) + 40
     depth = int(sample_module._node_depths(parents).max())
     got = tree_verify(target, node_tokens, parents, seeds, positions)
@@ -574,11 +580,7 @@ def sampled_tree_row_by_row(target, node_tokens, parents, q, seeds, positions, d
 def test_sampled_tree_walk_applies_the_rule_row_by_row():
     gen = torch.Generator().manual_seed(9)
     batch, nodes, vocab = 200, 7, 3
-    # random forests, parents before children; small vocabularies make repeated siblings
-    parents = torch.stack([torch.randint(-1, i, (batch,), generator=gen) for i in range(nodes)], 1)
-    node_tokens = torch.randint(-1, vocab, (batch, nodes), generator=gen)
-    target = torch.softmax(torch.randn(batch, nodes + 1, vocab, generator=gen) * 2, -1)
-    target[:, :, 0] *= torch.rand(batch, nodes + 1, generator=gen) < 0.7  # some zeros
+    parents, node_tokens, target = random_forests(gen, batch, nodes, vocab)
     target = target / target.sum(-1, keepdim=True)
     q = torch.softmax(torch.randn(batch, nodes, vocab, generator=gen) * 2, -1)
     # siblings share their parent's q, as drafted
