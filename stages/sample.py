@@ -489,13 +489,13 @@ def _sampled_tree_walk(
     siblings = max(siblings, 1)
     rows = torch.arange(batch, device=positions.device)
     nodes = torch.arange(node_tokens.shape[1], device=positions.device)
-    levels = torch.arange(depth + 1, device=positions.device)
+    levels = torch.arange(depth, device=positions.device)
     salts = tuple(SALT_CHILD_ACCEPT + r for r in range(siblings))
-    u = uniforms(seeds, positions[:, None] + levels, salts).permute(1, 2, 0)  # [B, D+1, S]
+    u = uniforms(seeds, positions[:, None] + levels, salts).permute(1, 2, 0)  # [B, D, S]
     current = torch.full_like(positions, -1)  # node index, -1: the root
     walking = torch.ones_like(positions, dtype=torch.bool)
     steps, kept, remaining = [], [], []
-    for level in range(depth + 1):
+    for level in range(depth):  # the nodes at `depth` have no children: nothing to test
         p = target_probs[rows, current + 1]  # [B, V]
         child = (parents == current[:, None]) & (node_tokens >= 0)  # [B, N]
         order = torch.where(child, nodes, nodes + nodes.numel()).argsort(1)[:, :siblings]
@@ -519,11 +519,13 @@ def _sampled_tree_walk(
         kept.append(torch.where(accepted, x[rows, first], -1))
         current = torch.where(accepted, node, current)
         walking = accepted
-    path = torch.stack(steps[:depth], 1) if depth else parents[:, :0]  # [B, depth]
+    remaining.append(target_probs[rows, current + 1])  # a walk through every level
+    path = torch.stack(steps, 1) if depth else parents[:, :0]  # [B, depth]
     num_accepted = (path >= 0).sum(1)
     stop = torch.stack(remaining, 1)[rows, num_accepted]  # [B, V]
     last = draw(stop, uniform(seeds, positions + num_accepted, SALT_SAMPLE))
-    tokens = torch.stack(kept, 1)  # [B, depth + 1], -1 from the stop on
+    # [B, depth + 1]: the accepted tokens, -1 from the stop on
+    tokens = torch.stack([*kept, torch.full_like(positions, -1)], 1)
     return tokens.scatter(1, num_accepted[:, None], last[:, None]), num_accepted, path
 
 
