@@ -7,6 +7,7 @@ request has produced into the completions and the chat bodies, whole or as strea
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -16,7 +17,15 @@ from collections.abc import AsyncIterable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeGuard
 
-from engine.request import Delta, FinishReason, SamplingParams, TokenLogprob, Usage
+from engine.request import (
+    INT32_MAX,
+    MAX_LOGIT_BIAS,
+    Delta,
+    FinishReason,
+    SamplingParams,
+    TokenLogprob,
+    Usage,
+)
 
 JSON = dict[str, Any]
 
@@ -52,6 +61,10 @@ class Engine(Protocol):
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterable[Delta]: ...
     def abort(self, request_id: str) -> None: ...
+    @property
+    def failure(self) -> str | None: ...  # why the engine stopped serving; None while it serves
+    @property
+    def failed(self) -> asyncio.Event: ...  # set once failure is
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,7 +121,8 @@ def _ids(v: Any) -> TypeGuard[list[int]]:
 
 
 def _stop(v: Any) -> bool:
-    return _str(v) or (type(v) is list and len(v) <= 16 and all(_str(s) for s in v))
+    short = lambda s: _str(s) and len(s) <= MAX_STOP_CHARS  # noqa: E731
+    return short(v) or (type(v) is list and len(v) <= 16 and all(short(s) for s in v))
 
 
 def _stream_options(v: Any) -> bool:
@@ -116,9 +130,15 @@ def _stream_options(v: Any) -> bool:
     return type(v) is dict and all(k in keys and _bool(x) for k, x in v.items())
 
 
+def _text_part(p: Any) -> bool:
+    return type(p) is dict and p.get("type") == "text" and _str(p.get("text"))
+
+
 def _message(m: Any) -> bool:
     roles = ("system", "user", "assistant")
-    return type(m) is dict and m.get("role") in roles and _str(m.get("content"))
+    content = m.get("content") if type(m) is dict else None
+    parts = type(content) is list and all(_text_part(p) for p in content)
+    return type(m) is dict and m.get("role") in roles and (_str(content) or parts)
 
 
 def _messages(v: Any) -> bool:
@@ -129,11 +149,36 @@ def _in(lo: int, hi: int) -> Check:
     return lambda v: _int(v) and lo <= v <= hi
 
 
+def _within(lo: float, hi: float) -> Check:
+    return lambda v: _number(v) and lo <= v <= hi
+
+
 def _is(value: Any) -> Check:
     return lambda v: v == value and type(v) is type(value)
 
 
-# name: (check, what the value must be)
+def _logit_bias(v: Any) -> bool:
+    """{"token id": bias}: ids as JSON keys are strings, biases in OpenAI's [-100, 100]."""
+    return (
+        type(v) is dict
+        and len(v) <= MAX_LOGIT_BIAS_ENTRIES
+        and all(k.isascii() and k.isdigit() and len(k) <= 10 for k in v)
+        and all(_within(-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)(x) for x in v.values())
+    )
+
+
+def _text_format(v: Any) -> bool:
+    return type(v) is dict and v.get("type") == "text" and len(v) == 1
+
+
+NONE = lambda v: False  # noqa: E731 - only null (absent) passes
+INT32 = INT32_MAX
+MAX_STOP_CHARS = 256  # a stop string is matched against each new token's text
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
+# name: (check, what the value must be). Every field a route knows is here; a field that would
+# change the output in a way the engine does not support passes only at its no-op value (n: 1,
+# echo: false, tools: [] ...), so that asking for it is a 400 that names it.
 COMMON_FIELDS: dict[str, tuple[Check, str]] = {
     "model": (_str, "a string"),
     "stream": (_bool, "a boolean"),
@@ -141,40 +186,64 @@ COMMON_FIELDS: dict[str, tuple[Check, str]] = {
         _stream_options,
         "an object of booleans: include_usage, continuous_usage_stats",
     ),
-    "max_tokens": (_int, "an integer"),
-    "temperature": (_number, "a number"),
-    "top_p": (_number, "a number"),
-    "top_k": (_int, "an integer"),
-    "min_p": (_number, "a number"),
-    "presence_penalty": (_number, "a number"),
-    "frequency_penalty": (_number, "a number"),
-    "repetition_penalty": (_number, "a number"),
-    "seed": (lambda v: _int(v) and 0 <= v < 2**63, "an integer in [0, 2^63)"),
-    "stop": (_stop, "a string or a list of at most 16 strings"),
-    "stop_token_ids": (_ids, "a list of token ids"),
+    "max_tokens": (_in(1, INT32), f"an integer in [1, {INT32}]"),
+    "temperature": (_within(0, 100), "a number in [0, 100]"),
+    "top_p": (lambda v: _within(0, 1)(v) and v > 0, "a number in (0, 1]"),
+    "top_k": (_in(-1, INT32), f"an integer in [-1, {INT32}] (0 or -1: off)"),
+    "min_p": (_within(0, 1), "a number in [0, 1]"),
+    "presence_penalty": (_within(-2, 2), "a number in [-2, 2]"),
+    "frequency_penalty": (_within(-2, 2), "a number in [-2, 2]"),
+    "repetition_penalty": (_within(0.01, 100), "a number in [0.01, 100]"),
+    "seed": (_in(0, 2**63 - 1), "an integer in [0, 2^63)"),
+    "stop": (_stop, f"a string or a list of at most 16 strings of at most {MAX_STOP_CHARS}"),
+    "stop_token_ids": (
+        lambda v: _ids(v) and len(v) <= 1024,
+        "a list of at most 1024 token ids",
+    ),
     "ignore_eos": (_bool, "a boolean"),
-    "num_speculative_tokens": (_int, "an integer"),
+    "num_speculative_tokens": (_in(0, INT32), f"an integer in [0, {INT32}]"),
+    "logit_bias": (
+        _logit_bias,
+        f"an object of at most {MAX_LOGIT_BIAS_ENTRIES} token ids to numbers in [-100, 100]",
+    ),
     "n": (_is(1), "1 (one choice per request is supported)"),
+    "user": (_str, "a string"),  # an end-user id: changes nothing here
 }
 COMPLETION_FIELDS = COMMON_FIELDS | {
     "prompt": (lambda v: _str(v) or type(v) is list, "a string or a list of token ids"),
     "logprobs": (_in(0, 5), "an integer in 0..5"),
     "echo": (_is(False), "false (echo is not supported)"),
     "best_of": (_is(1), "1 (best_of is not supported)"),
-    "suffix": (lambda v: False, "null (suffix is not supported)"),
+    "suffix": (NONE, "null (suffix is not supported)"),
 }
 CHAT_FIELDS = COMMON_FIELDS | {
-    "messages": (_messages, "a non-empty list of {role, content} with string content"),
+    "messages": (
+        _messages,
+        "a non-empty list of {role, content}, content a string or a list of text parts",
+    ),
     "logprobs": (_bool, "a boolean"),
     "top_logprobs": (_in(0, 20), "an integer in 0..20"),
-    "max_completion_tokens": (_int, "an integer"),
-    "tools": (lambda v: v == [], "empty (tools are not supported)"),
+    "max_completion_tokens": (_in(1, INT32), f"an integer in [1, {INT32}]"),
+    "response_format": (_text_format, '{"type": "text"} (json modes are not supported)'),
+    "tools": (_is([]), "empty (tools are not supported)"),
+    "tool_choice": (_is("none"), '"none" (tools are not supported)'),
+    "parallel_tool_calls": (_bool, "a boolean"),
+    "functions": (_is([]), "empty (functions are not supported)"),
+    "function_call": (_is("none"), '"none" (functions are not supported)'),
+    "modalities": (_is(["text"]), '["text"] (only text is supported)'),
+    "audio": (NONE, "null (audio is not supported)"),
+    "metadata": (
+        lambda v: type(v) is dict and all(_str(x) for x in v.values()),
+        "an object of strings",
+    ),
+    "store": (_bool, "a boolean"),
+    "service_tier": (_str, "a string"),
 }
-# fields that SamplingParams takes as they are (it checks their ranges itself)
+ROUTES = {"/v1/completions": COMPLETION_FIELDS, "/v1/chat/completions": CHAT_FIELDS}
+# fields that SamplingParams takes as they are (it checks their ranges again itself)
 PASSED_THROUGH = (
     "temperature",
     "top_p",
-    "top_k",
     "min_p",
     "presence_penalty",
     "frequency_penalty",
@@ -183,6 +252,7 @@ PASSED_THROUGH = (
     "ignore_eos",
     "num_speculative_tokens",
 )
+MAX_JSON_DEPTH = 16  # a chat body nests 4 deep; the limit keeps a hostile body's walk short
 
 
 def _short(value: Any) -> str:
@@ -190,10 +260,17 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def validate(body: Any, table: dict[str, tuple[Check, str]], required: str) -> JSON:
-    """The body's known fields that are not null, each checked against `table`."""
+def validate(body: Any, route: str, required: str) -> JSON:
+    """The body's fields that are not null, each checked against the route's table; a field
+    the route does not know is refused, naming the route it belongs to if any."""
+    table = ROUTES[route]
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    for name in body:
+        if name not in table:
+            other = [r for r, fields in ROUTES.items() if name in fields]
+            where = f"a field of {other[0]}, not of {route}" if other else "not a known field"
+            raise ApiError(400, f"'{name}' is {where}", param=name)
     if body.get(required) is None:
         raise ApiError(400, f"'{required}' is required", param=required)
     fields = {}
@@ -252,12 +329,38 @@ def completion_prompt(value: str | list[Any], engine: Engine) -> list[int]:
 
 
 def chat_prompt(messages: list[dict[str, Any]], engine: Engine) -> list[int]:
+    """The conversation's ids through the model's chat template (text parts joined)."""
+    flat = [m | {"content": _content_text(m["content"])} for m in messages]
     try:
-        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = engine.tokenizer.apply_chat_template(flat, add_generation_prompt=True)
     except ValueError as e:  # no template, or the template refused the conversation
         raise ApiError(400, str(e)) from e
     # the template writes the BOS itself
     return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _content_text(content: str | list[JSON]) -> str:
+    return content if isinstance(content, str) else "".join(p["text"] for p in content)
+
+
+def check_json(body: Any) -> None:
+    """Refuse a body nested deeper than MAX_JSON_DEPTH or holding a string that is not
+    Unicode text (a lone surrogate, which JSON's escapes can spell)."""
+    todo = [(body, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(value, dict):
+            todo.extend((k, depth) for k in value)
+            todo.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            todo.extend((v, depth + 1) for v in value)
+        elif isinstance(value, str):
+            try:
+                value.encode()
+            except UnicodeEncodeError as e:
+                raise ApiError(400, "the request body holds a lone surrogate (not text)") from e
 
 
 def sampling_params(
@@ -267,11 +370,15 @@ def sampling_params(
     stop = fields.get("stop", ())
     stop_ids = fields.get("stop_token_ids", [])
     check_ids(stop_ids, engine.vocab_size, "'stop_token_ids'")
+    bias = [(int(k), float(v)) for k, v in fields.get("logit_bias", {}).items()]
+    check_ids([t for t, _ in bias], engine.vocab_size, "'logit_bias'")
     return SamplingParams(
         max_tokens=max_tokens,
+        top_k=max(fields.get("top_k", 0), 0),  # -1 is off too, as in other servers
         stop=(stop,) if isinstance(stop, str) else tuple(stop),
         stop_token_ids=tuple(stop_ids),
         logprobs=logprobs,
+        logit_bias=tuple(bias),
         **{name: fields[name] for name in PASSED_THROUGH if name in fields},
     )
 

@@ -11,20 +11,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import ipaddress
 import json
 import logging
 import signal
 import sys
 from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import uvloop
 from aiohttp import web
 
 from api import (
-    CHAT_FIELDS,
-    COMPLETION_FIELDS,
     JSON,
     ApiError,
     ChatReply,
@@ -32,6 +32,7 @@ from api import (
     Engine,
     Reply,
     chat_prompt,
+    check_json,
     check_model,
     completion_prompt,
     make_job,
@@ -39,7 +40,7 @@ from api import (
     validate,
 )
 from engine.config import SPECULATIVE_METHODS, TREE_SHAPES, EngineConfig, KVConfig, SpecConfig
-from engine.request import Delta, InvalidRequest, Overloaded
+from engine.request import Delta, EngineFailed, InvalidRequest, Overloaded
 
 log = logging.getLogger("tandem.server")
 
@@ -53,6 +54,8 @@ class ServerOptions:
     max_body_bytes: int = 1 << 20  # a full-context chat is far smaller; past it: 413
     retry_after_s: int = 1  # what a 503 asks the client to wait
     shutdown_timeout_s: float = 5.0  # streams end at once on shutdown (engine.stop aborts them)
+    allowed_origins: tuple[str, ...] = ()  # browser origins allowed to call; others get 403
+    read_timeout_s: float = 15.0  # for a request's headers, then again for its body
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -61,6 +64,22 @@ class ServerOptions:
             raise ValueError("api key must not be empty")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
+        if self.read_timeout_s <= 0:
+            raise ValueError("read_timeout_s must be > 0")
+
+    @property
+    def loopback(self) -> bool:
+        """Bound to this machine only: then a Host naming another host is a DNS rebinding."""
+        return _is_loopback(self.host)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,6 +106,9 @@ async def errors(request: web.Request, handler: Callable[..., Awaitable[Any]]) -
         return error_response(e)
     except InvalidRequest as e:
         return error_response(ApiError(400, str(e)))
+    except EngineFailed as e:
+        failed = ApiError(503, f"the engine has stopped serving: {e}", "server_error", "failed")
+        return error_response(failed)
     except Overloaded as e:
         retry = str(request.app[OPTIONS].retry_after_s)
         message = str(e) or "the server is overloaded; retry later"
@@ -104,19 +126,80 @@ async def errors(request: web.Request, handler: Callable[..., Awaitable[Any]]) -
 
 
 def auth(api_key: str) -> Callable[..., Awaitable[Any]]:
-    expected = f"Bearer {api_key}".encode()
+    expected = api_key.encode()
 
     @web.middleware
     async def check(request: web.Request, handler: Callable[..., Awaitable[Any]]) -> Any:
-        given = request.headers.get("Authorization", "").encode()
-        # constant time: the comparison does not tell how much of the key was right
-        if request.path != "/health" and not hmac.compare_digest(given, expected):
+        scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
+        # the scheme is case-insensitive (RFC 9110); the key is compared in constant time, so
+        # that the comparison does not tell how much of it was right
+        good = scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected)
+        if request.path != "/health" and request.method != "OPTIONS" and not good:
             raise ApiError(
-                401, "invalid or missing API key", "authentication_error", "invalid_api_key"
+                401,
+                "invalid or missing API key",
+                "authentication_error",
+                "invalid_api_key",
+                headers={"WWW-Authenticate": 'Bearer realm="tandem"'},
             )
         return await handler(request)
 
     return check
+
+
+@web.middleware
+async def headers(request: web.Request, handler: Callable[..., Awaitable[Any]]) -> Any:
+    """Headers that are not UTF-8 text are refused (aiohttp hands their bytes on as lone
+    surrogates, which nothing after this point could encode)."""
+    for name, value in request.headers.items():
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise ApiError(400, f"the {name!r} header is not UTF-8 text") from None
+    return await handler(request)
+
+
+def browser_guard(options: ServerOptions) -> Callable[..., Awaitable[Any]]:
+    """What a local server owes the browser on the same machine: a page of another origin may
+    not call it (403 unless --allowed-origins names it; those get CORS answers), and, bound to
+    loopback, a Host naming another host (DNS rebinding) is refused."""
+    allowed = set(options.allowed_origins)
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Callable[..., Awaitable[Any]]) -> Any:
+        # the outermost middleware: its refusals are answered here, and the CORS headers go on
+        # every answer to an allowed origin, errors included
+        if options.loopback and not _is_loopback(_host_name(request.host)):
+            host = ApiError(403, f"the Host {request.host!r} is not this server", code="bad_host")
+            return error_response(host)
+        origin = request.headers.get("Origin")
+        if origin is None:
+            return await handler(request)
+        if origin not in allowed:
+            refused = ApiError(403, f"the origin {origin!r} is not allowed", code="bad_origin")
+            return error_response(refused)
+        cors = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+        if request.method == "OPTIONS":  # a preflight
+            return web.Response(status=204, headers=cors | PREFLIGHT)
+        response = await handler(request)
+        response.headers.update(cors)
+        return response
+
+    return guard
+
+
+PREFLIGHT = {
+    "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+    "Access-Control-Allow-Headers": "Authorization, Content-Type",
+    "Access-Control-Max-Age": "600",
+}
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header, without its port ([::1]:8000 -> ::1)."""
+    if host.startswith("["):
+        return host[1 : host.find("]")]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,12 +210,35 @@ OPTIONS = web.AppKey("options", ServerOptions)
 MODEL = web.AppKey("model", str)
 
 
+T = TypeVar("T")
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) on a worker thread: parsing, tokenizing and templating a large body must not
+    hold up the event loop that streams every other request's tokens."""
+    return await asyncio.get_running_loop().run_in_executor(None, partial(fn, *args))
+
+
 async def read_body(request: web.Request) -> Any:
-    raw = await request.read()  # past client_max_size: HTTPRequestEntityTooLarge, a 413
+    if request.content_type != "application/json":
+        raise ApiError(415, "the request body must be application/json", code="bad_content_type")
     try:
-        return json.loads(raw)
-    except ValueError as e:
+        async with asyncio.timeout(request.app[OPTIONS].read_timeout_s):
+            raw = await request.read()  # past client_max_size: a 413
+    except TimeoutError:
+        raise ApiError(408, "the request body did not arrive in time", code="timeout") from None
+    return await off_loop(parse_json, raw)
+
+
+def parse_json(raw: bytes) -> Any:
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, "the request body nests too deeply") from None
+    except ValueError as e:  # not JSON, or not UTF-8
         raise ApiError(400, f"the request body is not valid JSON: {e}") from e
+    check_json(body)
+    return body
 
 
 def sse(body: JSON) -> bytes:
@@ -142,9 +248,9 @@ def sse(body: JSON) -> bytes:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    fields = validate(await read_body(request), COMPLETION_FIELDS, "prompt")
+    fields = validate(await read_body(request), request.path, "prompt")
     check_model(fields, request.app[MODEL])
-    prompt_ids = completion_prompt(fields["prompt"], engine)
+    prompt_ids = await off_loop(completion_prompt, fields["prompt"], engine)
     params = sampling_params(fields, fields.get("max_tokens", 16), fields.get("logprobs"), engine)
     job = make_job("cmpl", prompt_ids, params, fields, engine)
     return await respond(request, CompletionReply(job, request.app[MODEL], engine.tokenizer))
@@ -152,11 +258,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    fields = validate(await read_body(request), CHAT_FIELDS, "messages")
+    fields = validate(await read_body(request), request.path, "messages")
     check_model(fields, request.app[MODEL])
     if "top_logprobs" in fields and not fields.get("logprobs"):
         raise ApiError(400, "'top_logprobs' needs 'logprobs' set to true")
-    prompt_ids = chat_prompt(fields["messages"], engine)
+    prompt_ids = await off_loop(chat_prompt, fields["messages"], engine)
     # as in OpenAI's API, a chat without a limit may use the rest of the context
     rest = max(engine.max_model_len - len(prompt_ids), 1)
     limit = fields.get("max_completion_tokens", fields.get("max_tokens"))
@@ -222,6 +328,9 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    failure = request.app[ENGINE].failure
+    if failure is not None:
+        return web.json_response({"status": "failed", "cause": failure}, status=503)
     return web.json_response({"status": "ok"})
 
 
@@ -233,7 +342,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def make_app(engine: Engine, options: ServerOptions) -> web.Application:
-    middlewares = [errors] + ([auth(options.api_key)] if options.api_key else [])
+    middlewares = [browser_guard(options), errors, headers]
+    middlewares += [auth(options.api_key)] if options.api_key else []
     app = web.Application(client_max_size=options.max_body_bytes, middlewares=middlewares)
     app[ENGINE] = engine
     app[OPTIONS] = options
@@ -255,14 +365,17 @@ async def start_server(engine: Engine, options: ServerOptions) -> web.AppRunner:
         handler_cancellation=True,
         shutdown_timeout=options.shutdown_timeout_s,
         access_log=None,
+        # a connection that has not sent a whole request's headers in time is closed
+        keepalive_timeout=options.read_timeout_s,
     )
     await runner.setup()
     await web.TCPSite(runner, options.host, options.port).start()
     return runner
 
 
-async def serve(engine: Engine, options: ServerOptions) -> None:
-    """Serve until SIGTERM or SIGINT; then stop accepting, abort what runs, and return."""
+async def serve(engine: Engine, options: ServerOptions) -> int:
+    """Serve until SIGTERM or SIGINT, or until the engine fails; then stop accepting, abort
+    what runs, and return the exit status (1 when the engine failed: a supervisor restarts)."""
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = (signal.SIGTERM, signal.SIGINT)
@@ -273,14 +386,22 @@ async def serve(engine: Engine, options: ServerOptions) -> None:
     try:
         host, port = runner.addresses[0][:2]
         print(f"serving {runner.app[MODEL]} on http://{host}:{port}", flush=True)
-        await stopping.wait()
+        waits = [asyncio.ensure_future(e.wait()) for e in (stopping, engine.failed)]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for wait in waits:
+            wait.cancel()
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
         for site in list(runner.sites):
             await site.stop()  # no new connections
-        await engine.stop()  # what runs ends now: open streams finish with "abort"
+        if engine.failure is None:  # a hung engine's device thread may never stop
+            await engine.stop()  # what runs ends now: open streams finish with "abort"
         await runner.cleanup()
+    if engine.failure is not None:
+        log.error("exiting: the engine stopped serving: %s", engine.failure)
+        return 1
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,6 +437,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--device": (str, "DEVICE", engine.device, "torch device: cpu, cuda, cuda:1, ..."),
         "--dtype": (str, "DTYPE", engine.dtype, "float32, bfloat16 or float16"),
         "--seed": (int, "N", engine.seed, "seed of the requests that bring none"),
+        "--watchdog-seconds": (
+            float,
+            "S",
+            engine.watchdog_s,
+            "exit (status 1) when no step completes for S seconds while requests wait",
+        ),
     }
     parser = argparse.ArgumentParser(
         prog="server.py",
@@ -337,6 +464,13 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, (kind, metavar, default, text) in flags.items():
         shown = "" if default is None else f" (default: {default})"
         parser.add_argument(flag, type=kind, metavar=metavar, default=default, help=text + shown)
+    parser.add_argument(
+        "--allowed-origins",
+        nargs="*",
+        default=[],
+        metavar="ORIGIN",
+        help="browser origins (https://example.com) allowed to call the API; others get 403",
+    )
     parser.add_argument(
         "--fixed-k",
         action="store_true",
@@ -383,8 +517,15 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, S
             max_model_len=a.max_model_len,
             trace_file=a.trace_file,
             seed=a.seed,
+            watchdog_s=a.watchdog_seconds,
         )
-        options = ServerOptions(a.host, a.port, a.api_key, a.served_model_name)
+        options = ServerOptions(
+            a.host,
+            a.port,
+            a.api_key,
+            a.served_model_name,
+            allowed_origins=tuple(a.allowed_origins),
+        )
     except ValueError as e:
         parser.error(str(e))
     return config, options
@@ -400,8 +541,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"server.py: error: cannot load the model: {e}", file=sys.stderr)
         return 1
-    uvloop.run(serve(engine, options))
-    return 0
+    return uvloop.run(serve(engine, options))
 
 
 if __name__ == "__main__":

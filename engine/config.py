@@ -142,8 +142,14 @@ class EngineConfig:
     trace_file: str | None = None  # step timeline as JSON lines
     device_delay: float = 0.0  # tests: random delay (seconds) injected into device work
     seed: int = 0  # seeds requests that bring none
+    # supervision: a loop that completes no step for this long while requests wait is hung
+    # (a prefill chunk of max_batch_tokens takes well under a second on a CPU)
+    watchdog_s: float = 60.0
+    max_failed_steps: int = 8  # consecutive failed steps that open the circuit breaker
 
     def __post_init__(self) -> None:
+        if self.watchdog_s <= 0 or self.max_failed_steps < 1:
+            raise ValueError("watchdog_s must be > 0 and max_failed_steps at least 1")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         for name in ("max_running", "max_waiting", "max_batch_tokens"):

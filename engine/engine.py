@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import operator
 import sys
 import time
@@ -32,6 +33,7 @@ from engine.metrics import EngineMetrics
 from engine.output import OutputStream
 from engine.request import (
     Delta,
+    EngineFailed,
     FinishReason,
     InvalidRequest,
     Overloaded,
@@ -39,7 +41,7 @@ from engine.request import (
     SamplingParams,
     TokenLogprob,
 )
-from engine.scheduler import Scheduler, Sequence
+from engine.scheduler import Batch, Scheduler, Sequence
 from engine.trace import Tracer
 from kv.cache import KVCache
 from kv.pages import PageAllocator
@@ -55,6 +57,8 @@ from stages.refill import RefillStage
 from stages.sample import SamplingTensors
 from stages.verdict import SampleStage
 from stages.verify import Verifier
+
+log = logging.getLogger("tandem.engine")
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "models" / "demo"
 # How long a thread may hold the GIL while another waits for it. The compute thread re-takes
@@ -103,6 +107,10 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self._fault: Callable[[str, Plan], None] | None = None  # tests inject stage failures
+        # supervision: the cause once the engine cannot serve any more, and its signal
+        self.failure: str | None = None
+        self.failed = asyncio.Event()
+        self._failed_steps = 0  # consecutive steps that failed (the circuit breaker's count)
 
     def _build(self) -> None:
         """Models, caches, stages and the cost model's calibration (on the device's thread)."""
@@ -181,14 +189,18 @@ class AsyncEngine:
         self._published = -1  # the last step whose tokens reached the requests
         self._last_publish = time.monotonic()
         self._publishes = asyncio.Event()  # set at each publish
+        self._progress = time.monotonic()  # the last step's end, or when work last arrived
         self._completed: dict[int, Plan] = {}  # steps whose pages wait for their device work
         # the last batch's requests and the sampling tensors built for them
         self._sampling: tuple[list[Request], SamplingTensors] | None = None
         planned = asyncio.Queue[Plan]()  # steps handed to the device, in order
         self._tasks = [
-            asyncio.create_task(self._plan_loop(planned)),
-            asyncio.create_task(self._publish_loop(planned)),
+            asyncio.create_task(self._plan_loop(planned), name="plan"),
+            asyncio.create_task(self._publish_loop(planned), name="publish"),
+            asyncio.create_task(self._watchdog(), name="watchdog"),
         ]
+        for task in self._tasks:
+            task.add_done_callback(self._loop_ended)
 
     async def stop(self) -> None:
         for request_id in list(self.outputs):
@@ -206,7 +218,9 @@ class AsyncEngine:
     def submit(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
     ) -> RequestStream:
-        """Queue a request; raises InvalidRequest or Overloaded at once."""
+        """Queue a request; raises InvalidRequest, Overloaded or EngineFailed at once."""
+        if self.failure is not None:
+            raise EngineFailed(self.failure)
         ids = self._prompt_ids(prompt)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequest(
@@ -226,6 +240,8 @@ class AsyncEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else hash((self.config.seed, request_id))
         request = Request(request_id, ids, params, seed, time.monotonic())
+        if not self.outputs:  # the watchdog counts from the first pending request
+            self._progress = time.monotonic()
         self.outputs[request_id] = OutputStream(request, self.tokenizer, self.max_model_len)
         stream = self.streams[request_id] = RequestStream(self, request_id)
         self.scheduler.add(request)
@@ -270,9 +286,11 @@ class AsyncEngine:
             while self._published < step - lag:
                 self._publishes.clear()
                 await self._publishes.wait()
-            while (plan := self._plan(step)) is None:
+            # a step that could not be planned never runs: its number is planned again
+            while (planned := self._plan(step)) is None:
                 await self._idle()
-            await self._upload(plan)
+            plan, packed = planned
+            await self._upload(plan, packed)
             self._submit_stages(plan)
             outbox.put_nowait(plan)
 
@@ -284,12 +302,38 @@ class AsyncEngine:
         self._wake.clear()
         await self._wake.wait()
 
-    def _plan(self, step: int) -> Plan | None:
+    def _plan(self, step: int) -> tuple[Plan, tuple[list[int], dict[str, int]]] | None:
+        """The step's plan and its packed fields; None when there is nothing to run or the
+        plan failed (its requests are failed then)."""
         start = time.perf_counter()
         self._release_completed()
         batch = self.scheduler.schedule(step)
         if batch is None:
             return None
+        try:
+            plan = self._make_plan(step, batch)
+            packed = pack(plan.fields)
+        except Exception as error:  # noqa: BLE001 - a plan's fault fails requests, not the loop
+            self._plan_failed(step, batch, error)
+            return None
+        for seq, chunk, emits in zip(batch.seqs, batch.chunks, plan.emits, strict=True):
+            seq.request.inflight += 1
+            seq.num_prefilled += chunk
+            seq.num_pending += int(emits)
+        self.tracer.record(
+            step,
+            "plan",
+            start,
+            time.perf_counter(),
+            batch_size=len(batch.seqs),
+            num_tokens=plan.num_tokens,
+            kind=batch.kind,
+            k=plan.k,
+        )
+        return plan, packed
+
+    def _make_plan(self, step: int, batch: Batch) -> Plan:
+        """What the device needs for the batch's step: no state changes but a cache."""
         k = self._draft_length(batch.seqs) if batch.kind == "decode" else 0
         plan = make_plan(
             batch,
@@ -303,21 +347,30 @@ class AsyncEngine:
         plan.sampling = self._sampling_tensors(batch.seqs)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         plan.top_logprobs = max(wanted) if wanted else None
-        for seq, chunk, emits in zip(batch.seqs, batch.chunks, plan.emits, strict=True):
-            seq.request.inflight += 1
-            seq.num_prefilled += chunk
-            seq.num_pending += int(emits)
-        self.tracer.record(
-            step,
-            "plan",
-            start,
-            time.perf_counter(),
-            batch_size=len(batch.seqs),
-            num_tokens=plan.num_tokens,
-            kind=batch.kind,
-            k=k,
-        )
         return plan
+
+    def _plan_failed(self, step: int, batch: Batch, error: Exception) -> None:
+        """Fail the requests whose own plan fails (planned alone); when none does, the fault
+        is the step's, and every request of the batch fails."""
+        culprits = [s for s in batch.seqs if self._fails_alone(step, batch, s)]
+        message = f"the request could not be planned: {type(error).__name__}: {error}"
+        if culprits:
+            ids = [s.request.request_id for s in culprits]
+            log.warning("step %d: %s failed its plan: %s", step, ids, error)
+        else:
+            log.error("step %d could not be planned", step, exc_info=error)
+            self._step_failed()
+        for seq in culprits or batch.seqs:
+            seq.last_step = step - 1  # the step never ran: its pages wait for step - 1 only
+            self._fail(seq.request.request_id, message)
+
+    def _fails_alone(self, step: int, batch: Batch, seq: Sequence) -> bool:
+        chunk = batch.chunks[batch.seqs.index(seq)]
+        try:
+            pack(self._make_plan(step, Batch(batch.kind, [seq], [chunk])).fields)
+        except Exception:  # noqa: BLE001 - any fault of its own plan is the request's
+            return True
+        return False
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         """The batch's sampling tensors; the previous step's when it ran the same requests in
@@ -328,7 +381,7 @@ class AsyncEngine:
             if all(map(operator.is_, requests, cached[0])):
                 return cached[1]
         params, seeds = [r.params for r in requests], [r.seed for r in requests]
-        tensors = SamplingTensors.build(params, seeds, self.device)
+        tensors = SamplingTensors.build(params, seeds, self.device, self.vocab_size)
         self._sampling = (requests, tensors)
         return tensors
 
@@ -338,8 +391,8 @@ class AsyncEngine:
         caps = [draft_cap(s, self.k) for s in seqs]
         return self.cost.choose([s.request.acceptance.rate for s in seqs], caps)
 
-    async def _upload(self, plan: Plan) -> None:
-        flat, layout = pack(plan.fields)
+    async def _upload(self, plan: Plan, packed: tuple[list[int], dict[str, int]]) -> None:
+        flat, layout = packed
         copied = await self.host_buffers.upload(plan.step, flat, self.h2d)
         if not copied.done():
             self.compute.wait(copied)
@@ -401,6 +454,8 @@ class AsyncEngine:
                 self._fail_step(plan, error)
             else:
                 self._publish(plan, host)
+                self._failed_steps = 0
+            self._progress = time.monotonic()
             if not self.config.pipelined:  # the next plan waits for the whole step
                 await _settled(plan.events["refill"])
             # the loop wakes once a step: the refill's end is seen by the next publish or plan
@@ -496,13 +551,56 @@ class AsyncEngine:
         ]
 
     def _fail_step(self, plan: Plan, error: BaseException) -> None:
+        log.error("step %d failed on the device", plan.step, exc_info=error)
         message = f"{type(error).__name__}: {error}"
         for seq in plan.seqs:
             seq.request.inflight -= 1
             seq.num_pending -= 1 if seq.num_pending else 0
-            output = self.outputs.get(seq.request.request_id)
-            if output is not None:
-                self._finish(output, output.finish(FinishReason.ERROR, message))
+            self._fail(seq.request.request_id, message)
+        self._step_failed()
+
+    def _fail(self, request_id: str, message: str) -> None:
+        output = self.outputs.get(request_id)
+        if output is not None:
+            self._finish(output, output.finish(FinishReason.ERROR, message))
+
+    # ---- supervision ----
+
+    def _step_failed(self) -> None:
+        """The circuit breaker: a run of failed steps (a sticky device error, a broken model)
+        stops the engine instead of failing every request that comes."""
+        self._failed_steps += 1
+        if self._failed_steps >= self.config.max_failed_steps:
+            self._stop_serving(f"{self._failed_steps} steps in a row failed")
+
+    async def _watchdog(self) -> None:
+        """Stop the engine when no step completes for watchdog_s while requests wait."""
+        limit = self.config.watchdog_s
+        while True:
+            await asyncio.sleep(min(1.0, limit / 4))
+            if not self.outputs:
+                self._progress = time.monotonic()
+            elif time.monotonic() - self._progress > limit:
+                pending = len(self.outputs)
+                self._stop_serving(f"no step completed for {limit:g} s with {pending} requests")
+                return
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and (error := task.exception()) is not None:
+            name = task.get_name()
+            log.error("the %s loop failed", name, exc_info=error)
+            self._stop_serving(f"the {name} loop failed: {type(error).__name__}: {error}")
+
+    def _stop_serving(self, cause: str) -> None:
+        """The engine cannot serve any more: fail what runs, refuse what comes, and tell the
+        server (which answers /health with 503 and exits, for a supervisor to restart it)."""
+        if self.failure is not None:
+            return
+        log.error("the engine stops serving: %s", cause)
+        self.failure = cause
+        for request_id in list(self.outputs):
+            self._fail(request_id, f"the engine stopped: {cause}")
+        self.failed.set()
 
     def _send(self, delta: Delta) -> None:
         stream = self.streams.get(delta.request_id)

@@ -11,7 +11,14 @@ import torch
 from engine.scheduler import Sequence
 from models.attention import CausalAttention
 from stages.plan import DevicePlan, Plan
-from stages.sample import SALT_DRAFT, SamplingTensors, draw, process_logits, uniform
+from stages.sample import (
+    SALT_DRAFT,
+    SamplingTensors,
+    add_logit_bias,
+    draw,
+    process_logits,
+    uniform,
+)
 
 
 @dataclass
@@ -61,8 +68,8 @@ def choose_drafts(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(tokens [B], q [B, V] or None): the argmax (a point mass), or a draw from the processed
     q, which the sampler then needs whole for the residual."""
-    if u is None:
-        return logits.argmax(-1), None
+    if u is None:  # the bias, so that a biased target still accepts these drafts
+        return add_logit_bias(logits, st.logit_bias).argmax(-1), None
     q = process_logits(logits[:, None], st)[:, 0]
     return draw(q, u), q
 

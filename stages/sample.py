@@ -49,6 +49,7 @@ class SamplingTensors:
     frequency_penalty: torch.Tensor  # [B] float32
     repetition_penalty: torch.Tensor  # [B] float32, 1 = off
     seeds: torch.Tensor  # [B] int64
+    logit_bias: torch.Tensor | None = None  # [B, V] float32 added to the logits; None: none
     all_greedy: bool = False
     any_greedy: bool = True
     any_penalty: bool = True
@@ -57,7 +58,11 @@ class SamplingTensors:
 
     @classmethod
     def build(
-        cls, params: list[SamplingParams], seeds: list[int], device: torch.device | str
+        cls,
+        params: list[SamplingParams],
+        seeds: list[int],
+        device: torch.device | str,
+        vocab_size: int | None = None,  # needed when a request brings a logit_bias
     ) -> SamplingTensors:
         def column(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
@@ -65,7 +70,7 @@ class SamplingTensors:
         f32 = torch.float32
         sampled = [p for p in params if not p.greedy]
         return cls(
-            temperature=column([p.temperature for p in params], f32),
+            temperature=column([0.0 if p.greedy else p.temperature for p in params], f32),
             top_k=column([p.top_k for p in params], torch.int64),
             top_p=column([p.top_p for p in params], f32),
             min_p=column([p.min_p for p in params], f32),
@@ -74,6 +79,7 @@ class SamplingTensors:
             repetition_penalty=column([p.repetition_penalty for p in params], f32),
             # any Python int seed, wrapped into int64 (two's complement)
             seeds=column([(s + 2**63) % 2**64 - 2**63 for s in seeds], torch.int64),
+            logit_bias=_bias_rows(params, vocab_size, device),
             all_greedy=not sampled,
             any_greedy=len(sampled) < len(params),
             any_penalty=any(
@@ -83,6 +89,34 @@ class SamplingTensors:
             any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in sampled),
             any_min_p=any(p.min_p > 0 for p in sampled),
         )
+
+
+def _bias_rows(
+    params: list[SamplingParams], vocab_size: int | None, device: torch.device | str
+) -> torch.Tensor | None:
+    """[B, V] the requests' logit biases, dense; None when no request has one."""
+    if not any(p.logit_bias for p in params):
+        return None
+    if vocab_size is None:
+        raise ValueError("a logit_bias needs the vocabulary size")
+    bias = torch.zeros(len(params), vocab_size, dtype=torch.float32)
+    for row, p in enumerate(params):
+        for token_id, value in p.logit_bias:
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(f"logit_bias token id {token_id} is outside the vocabulary")
+            bias[row, token_id] = value
+    return bias.to(device)
+
+
+def add_logit_bias(logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """logits [B, ..., V] plus each row's bias [B, V'] over the first min(V, V') ids (a drafter's
+    vocabulary may be padded, or be the target's prefix)."""
+    if bias is None:
+        return logits
+    width = min(logits.shape[-1], bias.shape[-1])
+    row = bias[:, :width].view(bias.shape[0], *[1] * (logits.dim() - 2), width)
+    head = logits[..., :width] + row.to(logits.dtype)
+    return head if width == logits.shape[-1] else torch.cat([head, logits[..., width:]], -1)
 
 
 @dataclass
@@ -240,14 +274,15 @@ def process_logits(
 
     logits: [B, S, V]; draft_tokens: [B, S-1] int64, the tokens before positions 1..S-1
     (-1 for padding). Returns probabilities [B, S, V] (float32, or float64 for float64
-    logits) after, in this order: penalties
-    (position j counts the output so far plus draft tokens 0..j-1, so that verifying k drafts
-    sees what k plain steps would see), temperature, top-k (ties with the k-th kept), top-p,
-    min-p. Greedy rows are one-hot at the argmax of the penalised logits.
+    logits) after, in this order: penalties (position j counts the output so far plus draft
+    tokens 0..j-1, so that verifying k drafts sees what k plain steps would see), logit bias,
+    temperature, top-k (ties with the k-th kept), top-p, min-p. Greedy rows are one-hot at the
+    argmax of the penalised, biased logits.
     """
     logits = cast(logits, torch.promote_types(logits.dtype, torch.float32))
     if penalties is not None and st.any_penalty:
         logits = _apply_penalties(logits, st, penalties, draft_tokens)
+    logits = add_logit_bias(logits, st.logit_bias)
     vocab = logits.shape[-1]
     if st.all_greedy:
         return _one_hot(logits.argmax(-1), vocab, logits.dtype)
