@@ -31,6 +31,8 @@ JSON = dict[str, Any]
 
 
 class Tokenizer(Protocol):
+    @property
+    def max_token_chars(self) -> int: ...  # a text of n characters has >= n / this tokens
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
     def apply_chat_template(
@@ -312,6 +314,23 @@ def check_context(prompt_len: int, max_tokens: int, max_model_len: int) -> None:
         )
 
 
+# Normalisers can shorten a text before it is split (NFKC composes characters), so the bound
+# on a text's tokens is taken with this margin.
+TEXT_BOUND_MARGIN = 4
+
+
+def check_text_length(num_chars: int, engine: Engine) -> None:
+    """Refuse, before tokenizing it, a text that cannot fit the context whatever its tokens."""
+    fewest_tokens = num_chars // (TEXT_BOUND_MARGIN * engine.tokenizer.max_token_chars)
+    if fewest_tokens > engine.max_model_len:
+        raise ApiError(
+            400,
+            f"this model's maximum context length is {engine.max_model_len} tokens; the prompt's "
+            f"{num_chars} characters are more than {fewest_tokens} tokens",
+            code="context_length_exceeded",
+        )
+
+
 def completion_prompt(value: str | list[Any], engine: Engine) -> list[int]:
     """A string, a list of token ids, or a list holding exactly one of those: its ids."""
     if value and type(value) is list and type(value[0]) in (str, list):
@@ -321,6 +340,7 @@ def completion_prompt(value: str | list[Any], engine: Engine) -> list[int]:
     if not value:
         raise ApiError(400, "'prompt' must not be empty")
     if isinstance(value, str):
+        check_text_length(len(value), engine)
         return engine.tokenizer.encode(value, add_special_tokens=True)
     if not _ids(value):
         raise ApiError(400, "'prompt' must be a string or a list of token ids")
@@ -331,6 +351,7 @@ def completion_prompt(value: str | list[Any], engine: Engine) -> list[int]:
 def chat_prompt(messages: list[dict[str, Any]], engine: Engine) -> list[int]:
     """The conversation's ids through the model's chat template (text parts joined)."""
     flat = [m | {"content": _content_text(m["content"])} for m in messages]
+    check_text_length(sum(len(m["content"]) for m in flat), engine)
     try:
         text = engine.tokenizer.apply_chat_template(flat, add_generation_prompt=True)
     except ValueError as e:  # no template, or the template refused the conversation

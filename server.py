@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import json
@@ -208,6 +209,8 @@ def _host_name(host: str) -> str:
 ENGINE = web.AppKey("engine", Engine)
 OPTIONS = web.AppKey("options", ServerOptions)
 MODEL = web.AppKey("model", str)
+LARGE_BODIES = web.AppKey("large_bodies", asyncio.Semaphore)
+SMALL_BODY_BYTES = 64 << 10  # a chat of a few thousand tokens
 
 
 T = TypeVar("T")
@@ -222,12 +225,16 @@ async def off_loop(fn: Callable[..., T], *args: Any) -> T:
 async def read_body(request: web.Request) -> Any:
     if request.content_type != "application/json":
         raise ApiError(415, "the request body must be application/json", code="bad_content_type")
-    try:
-        async with asyncio.timeout(request.app[OPTIONS].read_timeout_s):
-            raw = await request.read()  # past client_max_size: a 413
-    except TimeoutError:
-        raise ApiError(408, "the request body did not arrive in time", code="timeout") from None
-    return await off_loop(parse_json, raw)
+    small = request.content_length is not None and request.content_length <= SMALL_BODY_BYTES
+    # large bodies are read and parsed one at a time: a flood of them then waits in the
+    # sockets (TCP backpressure) instead of taking the loop and the GIL from running streams
+    async with contextlib.nullcontext() if small else request.app[LARGE_BODIES]:
+        try:
+            async with asyncio.timeout(request.app[OPTIONS].read_timeout_s):
+                raw = await request.read()  # past client_max_size: a 413
+        except TimeoutError:
+            raise ApiError(408, "the request body did not arrive in time", code="timeout") from None
+        return await off_loop(parse_json, raw)
 
 
 def parse_json(raw: bytes) -> Any:
@@ -348,6 +355,7 @@ def make_app(engine: Engine, options: ServerOptions) -> web.Application:
     app[ENGINE] = engine
     app[OPTIONS] = options
     app[MODEL] = options.served_model_name or engine.model_name
+    app[LARGE_BODIES] = asyncio.Semaphore(1)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

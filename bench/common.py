@@ -74,3 +74,13 @@ def paged_tables(batch: int, num_slots: int, page_size: int) -> tuple[PageAlloca
     for table in tables:
         table.grow(allocator, num_slots)
     return allocator, tables
+
+
+def text_table(header: list[str], rows: list[list[object]]) -> str:
+    """A Markdown table of already formatted cells."""
+    lines = [header, *([str(c) for c in row] for row in rows)]
+    rule = "|" + "---|" * len(header)
+    return "\n".join(
+        ["| " + " | ".join(lines[0]) + " |", rule]
+        + ["| " + " | ".join(r) + " |" for r in lines[1:]]
+    )

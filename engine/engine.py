@@ -299,8 +299,8 @@ class AsyncEngine:
         if self._completed:
             await _settled(self._completed[min(self._completed)].events["refill"])
             return
+        await self._wake.wait()  # news since the last wait counts: it is cleared after
         self._wake.clear()
-        await self._wake.wait()
 
     def _plan(self, step: int) -> tuple[Plan, tuple[list[int], dict[str, int]]] | None:
         """The step's plan and its packed fields; None when there is nothing to run or the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -44,6 +45,13 @@ class Tokenizer:
         """Tokens the tokenizer knows, added tokens included (a model may pad its vocab)."""
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's spelling: no token stands for more characters of a text than
+        this (a byte-level token's spelling has a character per byte; a fallback byte's, more
+        characters than the byte), so a text of n characters encodes to at least n / this."""
+        return max(len(token) for token in self.tokenizer.get_vocab(with_added_tokens=True))
+
     @property
     def bos_token_id(self) -> int | None:
         return self.token_to_id(self.bos_token)
@@ -56,7 +64,9 @@ class Tokenizer:
         return None if token is None else self.tokenizer.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the GIL while it works (encode holds it, seconds for a
+        # megabyte), so that a server tokenizing on a worker thread keeps its loop running
+        ids = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         bos = self.bos_token_id
         if not add_special_tokens or bos is None or self.add_bos_token is None:
             return ids

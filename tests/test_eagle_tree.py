@@ -361,7 +361,7 @@ async def test_greedy_rows_of_a_sampled_fixed_tree_step_equal_plain(small, promp
 
 
 @pytest.mark.parametrize("tree", ["fixed", "dynamic"])
-async def test_seeded_sampling_with_penalties_equals_plain(tiny_target, head_dir, tree):
+async def test_seeded_sampling_with_penalties_and_bias_equals_plain(tiny_target, head_dir, tree):
     """Point-mass drafts (ranked children, as a dynamic tree always drafts) emit exactly what
     plain decoding draws with the same seeds, so the outputs must match token for token,
     penalties counted along each node's own path."""
@@ -372,6 +372,7 @@ async def test_seeded_sampling_with_penalties_equals_plain(tiny_target, head_dir
         frequency_penalty=0.4,
         presence_penalty=0.3,
         repetition_penalty=1.2,
+        logit_bias=((5, 2.0), (7, -3.0), (11, 1.5)),
         ignore_eos=True,
         seed=3,
     )

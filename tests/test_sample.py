@@ -12,6 +12,7 @@ from stages.sample import (
     SALT_SAMPLE,
     PenaltyState,
     SamplingTensors,
+    add_logit_bias,
     chain_verify,
     draw,
     logprobs,
@@ -38,8 +39,10 @@ def assert_close(got: torch.Tensor, expected: torch.Tensor, atol=1e-5, rtol=1.3e
     assert torch.allclose(got, expected, atol=atol, rtol=rtol), (got, expected)
 
 
-def tensors(params: list[SamplingParams], seeds: list[int] | None = None) -> SamplingTensors:
-    return SamplingTensors.build(params, seeds or list(range(len(params))), "cpu")
+def tensors(
+    params: list[SamplingParams], seeds: list[int] | None = None, vocab: int | None = None
+) -> SamplingTensors:
+    return SamplingTensors.build(params, seeds or list(range(len(params))), "cpu", vocab)
 
 
 def one_hot(argmaxes: list[list[int]], vocab: int) -> torch.Tensor:
@@ -198,6 +201,30 @@ def test_penalties_follow_vllm():
     assert got.argmax(-1).item() == 0
     logits[0, 0, 0] = 0.9  # 0.45 now loses to token 4
     assert process_logits(logits, st, penalties).argmax(-1).item() == 4
+
+
+def test_logit_bias_is_added_before_temperature_and_moves_the_argmax():
+    logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0]], [[2.0, 1.0, 0.0, -1.0]]])
+    params = [
+        SamplingParams(temperature=0.5, logit_bias=((3, 3.5), (0, -100.0))),
+        SamplingParams(temperature=0, logit_bias=((2, 2.5),)),
+    ]
+    got = process_logits(logits, tensors(params, vocab=4))
+    biased = torch.tensor([2.0 - 100, 1.0, 0.0, 2.5])
+    assert_close(got[0, 0], (biased / 0.5).softmax(-1))
+    assert got[1, 0].tolist() == [0.0, 0.0, 1.0, 0.0]  # greedy at the biased argmax
+    unbiased = process_logits(logits, tensors([SamplingParams(temperature=0.5)] * 2))
+    assert not torch.allclose(unbiased[0], got[0])
+
+
+def test_logit_bias_reaches_a_drafters_smaller_or_larger_vocabulary():
+    bias = torch.tensor([[0.0, 5.0, 0.0, 0.0, 7.0]])  # [B, V] over the target's 5 ids
+    narrow = add_logit_bias(torch.zeros(1, 2, 3), bias)  # a drafter over 3 ids
+    assert narrow.tolist() == [[[0.0, 5.0, 0.0]] * 2]
+    wide = add_logit_bias(torch.zeros(1, 6), bias)  # a padded vocabulary
+    assert wide.tolist() == [[0.0, 5.0, 0.0, 0.0, 7.0, 0.0]]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tensors([SamplingParams(logit_bias=((9, 1.0),))], vocab=5)
 
 
 def test_penalties_at_draft_positions_equal_one_position_at_a_time():

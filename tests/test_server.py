@@ -49,6 +49,7 @@ class FakeTokenizer:
 
     vocab_size = 96
     eos_token_id = 95
+    max_token_chars = 1
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [min(max(ord(c) - 32, 0), 94) for c in text]

@@ -83,3 +83,21 @@ async def test_aborts_mid_speculation_free_every_page(tiny_target, tiny_draft):
             _ = [d async for d in stream]
         await engine.wait_idle()
         assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+async def test_greedy_speculation_with_logit_bias_equals_plain(tiny_target, tiny_draft, prompts):
+    """The bias is applied to the target's p and to the drafter's q alike: output with
+    speculation equals plain decoding's with the same bias, which differs from unbiased."""
+    bias = tuple((t, 4.0) for t in range(40, 60)) + ((66, -100.0),)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logit_bias=bias)
+    async with running(make_config(tiny_target)) as engine:
+        plain = await staggered(engine, prompts[:6], params)
+        unbiased = await staggered(engine, prompts[:6], GREEDY)
+    assert plain != unbiased and all(66 not in out for out in plain)
+    config = make_config(tiny_target, "draft", tiny_draft, k=3)
+    async with running(config) as engine:
+        assert await staggered(engine, prompts[:6], params, seed=5) == plain
+    # the target drafting for itself, biased alike, is always right
+    async with running(make_config(tiny_target, "draft", tiny_target, k=3)) as engine:
+        usage = (await engine.generate(prompts[0], params))[-1].usage
+    assert usage.draft_tokens > 0 and usage.accepted_tokens == usage.draft_tokens
