@@ -1,0 +1,536 @@
+"""Our server against llama.cpp's llama-server on this CPU: same weights, same prompts.
+
+    python -m bench.peer --llama-server PATH --gguf FILE [--model DIR]
+        [--draft DIR --draft-gguf FILE] [--eagle DIR] [--mtp DIR]
+        [--methods plain draft ngram-simple ngram-mod eagle mtp] [--batches 1 4]
+        [--temperatures 0 1] [--max-tokens 128] [--prompts 8] [--repeats 3] [--k 4]
+        [--fixed-k] [--ttft-tokens 2000] [--threads 2] [--out bench/results/peer.json]
+
+One server runs at a time. Ours is `server.py --speculative none|draft|ngram|eagle|mtp`;
+llama.cpp's is `llama-server -t THREADS -np BATCH --spec-type none|draft-simple|ngram-simple|
+ngram-mod`, its drafts capped at k tokens like ours (the n-gram lookup lengths stay llama.cpp's
+defaults; `--llama-args` appends flags, which win). llama.cpp drafts k every step; ours lets its
+cost model choose 0..k unless `--fixed-k`. Our one n-gram drafter is measured once and shown on
+both n-gram rows; EAGLE and MTP are ours alone. Both servers
+see the very same token ids: held-out texts (bench/common.py) tokenized with the target's
+tokenizer and sent as id lists to each one's completion route (ours /v1/completions, llama.cpp
+/completion), `--max-tokens` new tokens, EOS ignored, llama.cpp's prompt cache off (ours has
+none) and its top-k, top-p and min-p off, so that temperature 1 samples the model's own
+distribution on both sides.
+
+A cell (method, batch, temperature) sends `--prompts` requests in groups of `batch`
+concurrent ones; its tokens/s is output tokens over the groups' wall time at the client, the
+median over the repeats. Acceptance is draft tokens accepted over proposed: ours from the spec
+counters of /metrics, llama.cpp's from the `timings` of its responses. Time to first token is
+the wall time of a one-token request on a `--ttft-tokens` prompt at batch 1 (median). The floor
+is the target's weight bytes as each server holds them (ours float32, llama.cpp's as its
+/v1/models reports) over the read bandwidth of bench/bandwidth.py: the least time a batch-1
+forward can take.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import math
+import re
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from safetensors import safe_open
+
+from bench.bandwidth import floor_seconds, measure_bandwidth
+from bench.common import heldout_prompts
+from models.loader import safetensors_files
+from models.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "models" / "demo"
+JSON = dict[str, Any]
+# method: (our --speculative, llama.cpp's --spec-type); None where that side lacks the method
+METHODS: dict[str, tuple[str | None, str | None]] = {
+    "plain": ("none", "none"),
+    "draft": ("draft", "draft-simple"),
+    "ngram-simple": ("ngram", "ngram-simple"),
+    "ngram-mod": ("ngram", "ngram-mod"),
+    "eagle": ("eagle", None),
+    "mtp": ("mtp", None),
+}
+# our /metrics counters of draft tokens proposed and accepted
+SPEC_COUNTERS = (
+    "tandem_spec_decode_num_draft_tokens_total",
+    "tandem_spec_decode_num_accepted_tokens_total",
+)
+
+
+# ---- the two servers: how each is started and spoken to ----
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What one completion response tells: output tokens, and its drafts if it says."""
+
+    tokens: int
+    drafted: int = 0
+    accepted: int = 0
+
+
+def tandem_reply(body: JSON) -> Reply:
+    return Reply(body["usage"]["completion_tokens"])  # drafts: from /metrics
+
+
+def llama_reply(body: JSON) -> Reply:
+    t = body.get("timings", {})  # draft_n only when the request drafted at all
+    return Reply(body["tokens_predicted"], t.get("draft_n", 0), t.get("draft_n_accepted", 0))
+
+
+@dataclass(frozen=True)
+class Side:
+    """One server's completion protocol."""
+
+    name: str
+    route: str
+    length_field: str  # the name of max_tokens
+    fields: JSON  # sent with every request
+    reply: Callable[[JSON], Reply]
+    spec_metrics: bool  # acceptance from /metrics (else from the replies)
+
+    def body(self, ids: list[int], max_tokens: int, temperature: float, seed: int) -> JSON:
+        common = {"prompt": ids, "temperature": temperature, "seed": seed, "ignore_eos": True}
+        return common | {self.length_field: max_tokens} | self.fields
+
+
+TANDEM = Side("tandem", "/v1/completions", "max_tokens", {}, tandem_reply, spec_metrics=True)
+# no prompt cache (ours has none); top-k, top-p and min-p off (ours are off by default)
+LLAMA_FIELDS = {"cache_prompt": False, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+LLAMA = Side("llama.cpp", "/completion", "n_predict", LLAMA_FIELDS, llama_reply, False)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One server process: its side, speculative method, slots (llama.cpp's -np; 0: ours,
+    which takes any batch) and command line (the port is added at start)."""
+
+    side: Side
+    spec: str
+    slots: int
+    command: tuple[str, ...]
+
+
+def tandem_launch(spec: str, args: argparse.Namespace) -> Launch:
+    heads = {"draft": args.draft, "eagle": args.eagle, "mtp": args.mtp}
+    command = [sys.executable, "server.py", "--model", str(args.model), "--speculative", spec]
+    if spec in heads:
+        command += ["--draft", str(heads[spec])]
+    command += ["--num-speculative-tokens", str(args.k), "--host", "127.0.0.1"]
+    command += ["--fixed-k"] * args.fixed_k + shlex.split(args.server_args)
+    return Launch(TANDEM, spec, 0, tuple(command))
+
+
+def llama_spec_flags(spec: str, args: argparse.Namespace) -> list[str]:
+    """--spec-type and the flags that cap its drafts at k tokens."""
+    k = str(args.k)
+    flags = {
+        "none": [],
+        "draft-simple": ["-md", str(args.draft_gguf), "--spec-draft-n-max", k],
+        "ngram-simple": ["--spec-ngram-simple-size-m", k],
+        "ngram-mod": ["--spec-ngram-mod-n-max", k, "--spec-ngram-mod-n-min", "1"],
+    }[spec]
+    return ["--spec-type", spec, *flags]
+
+
+def llama_launch(spec: str, slots: int, context: int, args: argparse.Namespace) -> Launch:
+    """llama-server with `slots` slots of `context` tokens each."""
+    threads = str(args.threads)
+    command = [str(args.llama_server), "-m", str(args.gguf), "-t", threads, "-tb", threads]
+    command += ["-np", str(slots), "-c", str(slots * context), "--host", "127.0.0.1"]
+    command += ["--no-webui", *llama_spec_flags(spec, args), *shlex.split(args.llama_args)]
+    return Launch(LLAMA, spec, slots, tuple(command))
+
+
+def launches(args: argparse.Namespace, context: int) -> list[Launch]:
+    """Each server to run, in method order: ours per --speculative (it serves every batch),
+    llama.cpp's per --spec-type and batch (-np); one that two methods share runs once."""
+    out: dict[tuple, Launch] = {}
+    for method in args.methods:
+        ours, theirs = METHODS[method]
+        if ours:
+            out.setdefault((TANDEM.name, ours, 0), tandem_launch(ours, args))
+        for batch in args.batches if theirs else []:
+            # the batch-1 server also takes the time-to-first-token prompt
+            ctx = context if batch > 1 else max(context, args.ttft_tokens + 2 * args.k + 8)
+            out.setdefault((LLAMA.name, theirs, batch), llama_launch(str(theirs), batch, ctx, args))
+    return list(out.values())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def serving(launch: Launch, log: Path, timeout: float) -> AsyncIterator[str]:
+    """Start the server, yield its URL once /health answers 200, stop it on the way out."""
+    port = free_port()
+    command = [*launch.command, "--port", str(port)]
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_healthy(url, process, log, timeout)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+async def wait_healthy(url: str, process: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited ({process.returncode}); see {log}")
+            with contextlib.suppress(aiohttp.ClientError):
+                async with session.get(url + "/health") as response:
+                    if response.status == 200:  # llama.cpp: 503 while it loads
+                        return
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"the server was not healthy within {timeout:.0f} s; see {log}")
+
+
+# ---- measuring ----
+
+
+@dataclass
+class Cell:
+    """One launch at one batch and temperature, over the repeats."""
+
+    rates: list[float] = field(default_factory=list)  # output tokens/s, one per repeat
+    drafted: int = 0
+    accepted: int = 0
+
+
+@dataclass(frozen=True)
+class Client:
+    """Requests to one running server."""
+
+    session: aiohttp.ClientSession
+    url: str
+    side: Side
+
+    async def get(self, route: str) -> aiohttp.ClientResponse:
+        async with self.session.get(self.url + route) as response:
+            await response.read()
+            return response
+
+    async def post(self, body: JSON) -> JSON:
+        async with self.session.post(self.url + self.side.route, json=body) as response:
+            if response.status != 200:
+                text = (await response.text())[:300]
+                raise RuntimeError(f"{self.side.name}: HTTP {response.status}: {text}")
+            return await response.json()
+
+    async def group(
+        self, prompts: list[list[int]], max_tokens: int, temperature: float, seed: int
+    ) -> tuple[float, list[Reply]]:
+        """Wall seconds of the prompts' requests sent at once (seeds counting up from `seed`),
+        and their replies."""
+        bodies = [
+            self.side.body(p, max_tokens, temperature, seed + i) for i, p in enumerate(prompts)
+        ]
+        start = time.perf_counter()
+        replies = await asyncio.gather(*(self.post(b) for b in bodies))
+        return time.perf_counter() - start, [self.side.reply(r) for r in replies]
+
+    async def spec_counts(self) -> list[int]:
+        """Our drafted and accepted token counters, from /metrics."""
+        text = await (await self.get("/metrics")).text()
+        found = [re.search(rf"^{name} (\S+)$", text, re.MULTILINE) for name in SPEC_COUNTERS]
+        return [int(float(m.group(1))) if m else 0 for m in found]
+
+    async def llama_weight_bytes(self) -> int:
+        """The target's tensor bytes, as llama-server's /v1/models reports them."""
+        models = await (await self.get("/v1/models")).json()
+        return int(models["data"][0]["meta"]["size"])
+
+
+async def measure_cell(
+    client: Client, groups: list[list[list[int]]], temperature: float, args: argparse.Namespace
+) -> Cell:
+    cell = Cell()
+    before = await client.spec_counts() if client.side.spec_metrics else None
+    for repeat in range(args.repeats):
+        tokens, seconds = 0, 0.0
+        for g, group in enumerate(groups):
+            seed = 1000 * repeat + g * len(group)
+            elapsed, replies = await client.group(group, args.max_tokens, temperature, seed)
+            seconds += elapsed
+            tokens += sum(r.tokens for r in replies)
+            cell.drafted += sum(r.drafted for r in replies)
+            cell.accepted += sum(r.accepted for r in replies)
+        cell.rates.append(tokens / seconds)
+    if before is not None:
+        after = await client.spec_counts()
+        cell.drafted, cell.accepted = after[0] - before[0], after[1] - before[1]
+    return cell
+
+
+async def ttft_seconds(client: Client, prompt: list[int], repeats: int) -> float:
+    """Time to first token: the median wall time of a one-token greedy request."""
+    times = [(await client.group([prompt], 1, 0.0, seed))[0] for seed in range(repeats)]
+    return statistics.median(times)
+
+
+async def measure_launch(
+    launch: Launch,
+    prompts: list[list[int]],
+    ttft_prompt: list[int] | None,
+    args: argparse.Namespace,
+) -> JSON:
+    """Every cell a launch serves, its time to first token at batch 1, llama.cpp's weight bytes."""
+    batches = [launch.slots] if launch.slots else args.batches
+    log = args.log_dir / f"{launch.side.name}-{launch.spec}-np{launch.slots}.log"
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=args.request_timeout)
+    result: JSON = {"cells": {}}
+    async with serving(launch, log, args.startup_timeout) as url:
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            client = Client(session, url, launch.side)
+            for batch in batches:
+                groups = request_groups(prompts, batch, args.prompts)
+                await client.group(groups[0], 8, 0.0, 0)  # warm-up, untimed
+                for temp in args.temperatures:
+                    result["cells"][(batch, temp)] = await measure_cell(client, groups, temp, args)
+            if ttft_prompt and 1 in batches:
+                result["ttft"] = await ttft_seconds(client, ttft_prompt, args.repeats)
+            if launch.side is LLAMA:
+                result["weight_bytes"] = await client.llama_weight_bytes()
+    return result
+
+
+def request_groups(prompts: list[list[int]], batch: int, count: int) -> list[list[list[int]]]:
+    """ceil(count / batch) groups of `batch` prompts, taken in order (wrapping)."""
+    groups = max(1, -(-count // batch))
+    return [[prompts[(g * batch + i) % len(prompts)] for i in range(batch)] for g in range(groups)]
+
+
+# ---- inputs ----
+
+
+def bench_prompts(tokenizer: Tokenizer, count: int, ttft_tokens: int) -> tuple[list, list | None]:
+    """The first `count` held-out prompts as token ids, and (None for 0) a prompt of exactly
+    `ttft_tokens` ids: all of them joined."""
+    texts = heldout_prompts(64)
+    prompts = [tokenizer.encode(text) for text in texts[:count]]
+    if not ttft_tokens:
+        return prompts, None
+    joined = [t for text in texts for t in tokenizer.encode(text + "\n")]
+    if len(joined) < ttft_tokens:
+        raise RuntimeError(f"the held-out texts hold {len(joined)} tokens, under --ttft-tokens")
+    return prompts, joined[:ttft_tokens]
+
+
+def tandem_weight_bytes(directory: Path) -> int:
+    """The target's weights as our server holds them: float32 (a tied matrix is stored once)."""
+    numel = 0
+    for path in safetensors_files(directory):
+        with safe_open(str(path), framework="pt") as f:
+            numel += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return 4 * numel
+
+
+# ---- rows and outputs ----
+
+
+def launch_key(side: Side, method: str, batch: int) -> tuple[str, str, int] | None:
+    """The launch that measured a side's method at a batch; None where the side lacks it."""
+    spec = METHODS[method][side is LLAMA]
+    return None if spec is None else (side.name, spec, batch if side is LLAMA else 0)
+
+
+def cell_json(cell: Cell) -> JSON:
+    acceptance = cell.accepted / cell.drafted if cell.drafted else None
+    summary = {"drafted": cell.drafted, "accepted": cell.accepted, "acceptance": acceptance}
+    return {"tokens_per_s": statistics.median(cell.rates), "rates": cell.rates} | summary
+
+
+def build_rows(results: dict[tuple, JSON], args: argparse.Namespace) -> list[JSON]:
+    """One row per method, batch and temperature, with each side's cell where it has one."""
+    rows = []
+    for method, batch, temp in itertools.product(args.methods, args.batches, args.temperatures):
+        row: JSON = {"method": method, "batch": batch, "temperature": temp}
+        for side in (TANDEM, LLAMA):
+            if key := launch_key(side, method, batch):
+                row[side.name] = cell_json(results[key]["cells"][(batch, temp)])
+        rows.append(row)
+    return rows
+
+
+def ttft_rows(results: dict[tuple, JSON], args: argparse.Namespace) -> dict[str, JSON]:
+    """Per method, each side's time to first token in seconds (batch 1)."""
+    rows: dict[str, JSON] = {}
+    for method, side in itertools.product(args.methods, (TANDEM, LLAMA)):
+        key = launch_key(side, method, 1)
+        if key in results and "ttft" in results[key]:
+            rows.setdefault(method, {})[side.name] = results[key]["ttft"]
+    return rows
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = [header, ["---"] * len(header), *rows]
+    return "\n".join("| " + " | ".join(line) + " |" for line in lines)
+
+
+def ratio(ours: float | None, theirs: float | None) -> str:
+    return f"{ours / theirs:.2f}x" if ours and theirs else "-"
+
+
+def cell_texts(cell: JSON | None) -> list[str]:
+    """tokens/s and accepted/drafted (share) of one side's cell, or dashes."""
+    if not cell:
+        return ["-", "-"]
+    if not cell["drafted"]:
+        return [f"{cell['tokens_per_s']:.1f}", "-"]
+    drafts = f"{cell['accepted']}/{cell['drafted']} ({cell['acceptance']:.0%})"
+    return [f"{cell['tokens_per_s']:.1f}", drafts]
+
+
+def speed_table(rows: list[JSON], floor_ms: dict[str, float]) -> str:
+    floor = " / ".join(f"{floor_ms.get(side.name, 0):.1f}" for side in (TANDEM, LLAMA))
+    lines = []
+    for row in rows:
+        ours, theirs = row.get(TANDEM.name), row.get(LLAMA.name)
+        speeds = [c["tokens_per_s"] if c else None for c in (ours, theirs)]
+        head = [row["method"], str(row["batch"]), f"{row['temperature']:g}"]
+        lines.append(head + cell_texts(ours) + cell_texts(theirs) + [ratio(*speeds), floor])
+    header = ["method", "batch", "T", "tandem tok/s", "accepted", "llama.cpp tok/s", "accepted"]
+    return markdown(header + ["tandem / llama.cpp", "floor ms (tandem / llama.cpp)"], lines)
+
+
+def ttft_table(rows: dict[str, JSON], tokens: int) -> str:
+    lines = []
+    for method, row in rows.items():
+        ours, theirs = row.get(TANDEM.name), row.get(LLAMA.name)
+        ms = [f"{1000 * s:.0f}" if s else "-" for s in (ours, theirs)]
+        lines.append([method, *ms, ratio(theirs, ours)])  # shorter is better: theirs over ours
+    header = [f"method ({tokens}-token prompt)", "tandem TTFT ms", "llama.cpp TTFT ms"]
+    header.append("llama.cpp / tandem")
+    return markdown(header, lines)
+
+
+def write_json(path: Path, report: JSON) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+
+# ---- command line ----
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.peer", description=__doc__.split("\n")[0])
+    p.add_argument("--llama-server", type=Path, required=True, help="llama.cpp's llama-server")
+    p.add_argument("--gguf", type=Path, required=True, help="the target for llama.cpp")
+    p.add_argument("--model", type=Path, default=DEMO / "target", help="our target directory")
+    p.add_argument("--draft", type=Path, default=DEMO / "draft", help="our draft model")
+    p.add_argument("--draft-gguf", type=Path, help="the draft model for llama.cpp")
+    p.add_argument("--eagle", type=Path, default=DEMO / "eagle", help="our EAGLE head")
+    p.add_argument("--mtp", type=Path, default=DEMO / "mtp", help="our MTP head")
+    p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
+    p.add_argument("--prompts", type=int, default=8, help="requests per cell (>= one batch)")
+    p.add_argument("--repeats", type=int, default=3, help="of each cell (median)")
+    p.add_argument("--k", type=int, default=4, help="draft tokens a step, at most (both sides)")
+    p.add_argument("--fixed-k", action="store_true", help="ours drafts k every step")
+    p.add_argument(
+        "--ttft-tokens", type=int, default=2000, help="time-to-first-token prompt; 0: none"
+    )
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp's -t and the bandwidth's")
+    p.add_argument("--server-args", default="", help="more flags for server.py")
+    p.add_argument("--llama-args", default="", help="more flags for llama-server")
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
+    p.add_argument("--log-dir", type=Path, help="server logs (default: a new temporary folder)")
+    p.add_argument("--out", type=Path, default=Path("bench/results/peer.json"))
+    args = p.parse_args(argv)
+    if "draft" in args.methods and args.draft_gguf is None:
+        p.error("--methods draft needs --draft-gguf")
+    if min(args.batches) < 1 or args.max_tokens < 1 or args.prompts < 1 or args.repeats < 1:
+        p.error("--batches, --max-tokens, --prompts and --repeats must be at least 1")
+    if args.ttft_tokens < 0:
+        p.error("--ttft-tokens must not be negative")
+    args.log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-peer-"))
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def run(args: argparse.Namespace) -> JSON:
+    """The whole comparison: prints the tables, writes the JSON, returns the report."""
+    start = time.perf_counter()
+    bandwidth = measure_bandwidth(args.threads)  # before any server takes the cores
+    prompts, ttft_prompt = bench_prompts(Tokenizer(args.model), args.prompts, args.ttft_tokens)
+    plan = launches(args, max(map(len, prompts)) + args.max_tokens + 2 * args.k + 8)
+    results = {}
+    for launch in plan:
+        print(f"bench.peer: {launch.side.name} {launch.spec} (np {launch.slots})", flush=True)
+        key = (launch.side.name, launch.spec, launch.slots)
+        results[key] = asyncio.run(measure_launch(launch, prompts, ttft_prompt, args))
+    weights = {TANDEM.name: tandem_weight_bytes(args.model)}
+    for result in results.values():  # every llama.cpp launch holds the same GGUF
+        if "weight_bytes" in result:
+            weights[LLAMA.name] = result["weight_bytes"]
+    floor_ms = {side: 1000 * floor_seconds(n, bandwidth) for side, n in weights.items()}
+    rows, ttft = build_rows(results, args), ttft_rows(results, args)
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; weights (MB): ", end="")
+    print(", ".join(f"{side} {n / 1e6:.0f}" for side, n in weights.items()))
+    print(speed_table(rows, floor_ms))
+    if ttft:
+        print(ttft_table(ttft, args.ttft_tokens))
+    report = {
+        "args": vars(args),
+        "bandwidth_bytes_per_s": bandwidth,
+        "weight_bytes": weights,
+        "floor_ms": floor_ms,
+        "launches": [
+            {"side": la.side.name, "spec": la.spec, "slots": la.slots, "command": la.command}
+            for la in plan
+        ],
+        "rows": rows,
+        "ttft_s": ttft,
+        "seconds": time.perf_counter() - start,
+    }
+    write_json(args.out, report)
+    print(f"wrote {args.out}; server logs in {args.log_dir}")
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        run(args)
+    except RuntimeError as error:
+        print(f"bench.peer: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
