@@ -21,6 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 PACK_ROWS_HINT = 8  # oneDNN picks its blocking for this many rows: verify passes are 2-16
+# A weight this large streams from memory whichever kernel reads it, and oneDNN's packed
+# layout streams it faster than MKL's one-row product (a real model's lm_head; bench.forward)
+PACKED_ONE_ROW_BYTES = 32 << 20
 
 
 class PackedLinear(nn.Module):
@@ -47,17 +50,19 @@ class PackedLinear(nn.Module):
         self.sizes = [lin.out_features for lin in linears]
         self.packed = None
         w = self.weight
+        self.one_row_packed = False  # whether a single row goes to oneDNN too
         if (
             w.device.type == "cpu"
             and w.dtype == torch.float32
             and torch.backends.mkldnn.is_available()
         ):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
+            self.one_row_packed = w.numel() * w.element_size() >= PACKED_ONE_ROW_BYTES
             # the one-row product reads W column by column: stored [I, O], MKL streams it
             w.data = w.detach().t().contiguous().t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or x.shape[0] == 1:
+        if self.packed is None or (x.shape[0] == 1 and not self.one_row_packed):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(
             x.contiguous(), self.packed, self.bias, "none", [], ""

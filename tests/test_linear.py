@@ -32,6 +32,18 @@ def test_packed_linear_equals_the_fused_products(rows):
             torch.testing.assert_close(got, lin(x), atol=1e-5, rtol=1e-5)
 
 
+def test_a_large_weight_takes_one_row_through_onednn_too(monkeypatch):
+    import models.linear as linear_module
+
+    monkeypatch.setattr(linear_module, "PACKED_ONE_ROW_BYTES", 64 * 200 * 4)
+    small, large = torch.nn.Linear(64, 100), torch.nn.Linear(64, 200)
+    packed = [PackedLinear([small]), PackedLinear([large])]
+    assert [p.one_row_packed for p in packed] == [False, True]
+    x = torch.randn(1, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed[1](x), large(x), atol=1e-5, rtol=1e-5)
+
+
 def test_prepared_model_matches_the_plain_forward():
     model = LlamaModel(CFG).eval()
     prepared = copy.deepcopy(model)

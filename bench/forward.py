@@ -1,0 +1,113 @@
+"""One forward of a real checkpoint beside its memory-bandwidth floor.
+
+    python -m bench.forward --model DIR [--context 512] [--repeats 15] [--out F.json]
+
+"A forward" is the target's one-token decode at batch 1 over a `context`-token paged KV
+cache (prefilled first); a verify of k + 1 rows over the same context is timed too. The
+model's weights are far larger than the last-level cache, so each forward streams them from
+memory, as in serving. The floor is the weight bytes read by a forward (every linear once,
+the embedding's one row aside) over this machine's read bandwidth (bench/bandwidth.py). A
+profile of one forward splits its time into the linears and everything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from bench.bandwidth import floor_seconds, measure_bandwidth
+from bench.common import text_table, timed
+from bench.model_step import OursDecode
+from models.llama import LlamaModel, prepare_for_inference
+from models.loader import load_model
+
+LINEAR_OPS = ("aten::addmm", "aten::mm", "aten::linear", "mkldnn::_linear_pointwise")
+
+
+def streamed_bytes(model: LlamaModel) -> int:
+    """Bytes of the weights one forward reads: every parameter but the embedding table (one
+    row of it), the lm_head counted even when tied to the embedding."""
+    params = {p.data_ptr(): p for p in model.parameters()}
+    embed = model.embed_tokens.weight
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    if model.config.tie_word_embeddings:
+        return total  # the table is read whole, as the lm_head
+    return total - embed.numel() * embed.element_size()
+
+
+def linear_share(decode: OursDecode, tokens: torch.Tensor) -> tuple[float, float]:
+    """(seconds in the linears, seconds in all) of one profiled forward."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        decode.step(tokens)
+    events = prof.key_averages()
+    linear = sum(e.self_cpu_time_total for e in events if e.key in LINEAR_OPS) / 1e6
+    total = sum(e.self_cpu_time_total for e in events) / 1e6
+    return linear, total
+
+
+def measure(model_dir: Path, context: int, repeats: int, k: int) -> dict:
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        model = load_model(model_dir, torch.float32, torch.device("cpu"))
+        prepare_for_inference(model)
+        vocab = model.config.vocab_size
+        decode = OursDecode(model, torch.randint(0, vocab, (1, context)))
+        one, rows = torch.randint(0, vocab, (1,)), torch.randint(0, vocab, (k + 1,))
+        verify = lambda: decode.forward(decode.tables, rows, start=decode.context)  # noqa: E731
+        step = lambda: decode.step(one)  # noqa: E731
+        for fn in (step, verify):
+            fn()
+        times: dict[str, list[float]] = {"decode": [], "verify": []}
+        for _ in range(repeats):  # interleaved: the machine's drift touches both alike
+            times["decode"].append(timed(step))
+            times["verify"].append(timed(verify))
+        linear, profiled = linear_share(decode, one)
+    weights = streamed_bytes(model)
+    bandwidth = measure_bandwidth()
+    floor = floor_seconds(weights, bandwidth)
+    decode_s = statistics.median(times["decode"])
+    return {
+        "model": str(model_dir),
+        "context": context,
+        "weight_bytes": weights,
+        "bandwidth_bytes_per_s": bandwidth,
+        "floor_ms": floor * 1e3,
+        "decode_ms": decode_s * 1e3,
+        "verify_ms": statistics.median(times["verify"]) * 1e3,
+        "verify_rows": k + 1,
+        "decode_over_floor": decode_s / floor,
+        "profiled_linear_share": linear / profiled,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, required=True, help="a Hugging Face directory")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--k", type=int, default=4, help="draft tokens of the timed verify")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(2)
+    r = measure(args.model, args.context, args.repeats, args.k)
+    header = ["weights MB", "GB/s", "floor ms", "decode ms", "x floor", "verify ms", "linears"]
+    row = [
+        f"{r['weight_bytes'] / 1e6:.0f}",
+        f"{r['bandwidth_bytes_per_s'] / 1e9:.1f}",
+        f"{r['floor_ms']:.1f}",
+        f"{r['decode_ms']:.1f}",
+        f"{r['decode_over_floor']:.2f}",
+        f"{r['verify_ms']:.1f} ({r['verify_rows']} rows)",
+        f"{r['profiled_linear_share']:.0%}",
+    ]
+    print(text_table(header, [row]))
+    if args.out:
+        args.out.write_text(json.dumps(r, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
