@@ -610,6 +610,28 @@ async def test_sigterm_stops_accepting_aborts_and_returns(capsys: pytest.Capture
     assert engine.stopped and not engine.live
 
 
+async def test_a_failed_engine_turns_health_to_503_and_serve_returns_1(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """A supervisor sees the failure: /health answers 503 with the cause, and serve() ends
+    with status 1 (main's exit status) without waiting for a signal."""
+    engine = FakeEngine()
+    task = asyncio.create_task(serve(engine, ServerOptions(port=0)))
+    for _ in range(200):
+        if found := re.search(r"http://\S+", capsys.readouterr().out):
+            break
+        await asyncio.sleep(0.01)
+    assert found, "serve() did not say where it listens"
+    async with TandemClient(found.group(0)) as client:
+        assert (await client.health())["status"] == "ok"
+        engine.failure = "the plan loop failed: AssertionError: boom"
+        async with client.session.get(found.group(0) + "/health") as response:
+            assert response.status == 503
+            assert (await response.json())["cause"] == engine.failure
+        engine.failed.set()
+        assert await asyncio.wait_for(task, 10) == 1
+
+
 def test_main_returns_0_on_sigterm(monkeypatch: pytest.MonkeyPatch) -> None:
     """`python server.py` end to end, in this process: flags, engine, serving, SIGTERM, exit 0."""
     engines: list[FakeEngine] = []
