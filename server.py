@@ -420,7 +420,13 @@ def build_parser() -> argparse.ArgumentParser:
     engine, spec, kv, server = EngineConfig(), SpecConfig(), KVConfig(), ServerOptions()
     # flag: (type, metavar, default, help); the defaults are the dataclasses' own
     flags: dict[str, tuple[type, str, Any, str]] = {
-        "--model": (str, "DIR", None, "target model, a Hugging Face directory; default: the demo"),
+        "--model": (
+            str,
+            "MODEL",
+            "smollm2",
+            "target: smollm2 (SmolLM2-135M-Instruct), demo (the tiny trained family), a Hugging "
+            "Face directory or a .gguf file",
+        ),
         "--draft": (str, "DIR", None, "draft model, EAGLE or MTP head; default: the demo's"),
         "--num-speculative-tokens": (
             int,
@@ -459,8 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--speculative",
         choices=SPECULATIVE_METHODS,
-        default="draft",
-        help="how draft tokens are proposed; none: no speculation (default: draft)",
+        help="how draft tokens are proposed; none: no speculation (default: draft for the "
+        "demo, whose draft model and heads ship with it; ngram for other models)",
     )
     parser.add_argument(
         "--tree",
@@ -498,6 +504,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, S
     """Flags -> the engine's and the server's configuration; a bad value exits with usage."""
     parser = build_parser()
     a = parser.parse_args(argv)
+    model = None if a.model == "demo" else a.model  # EngineConfig: None is the demo
+    a.speculative = a.speculative or ("draft" if model is None else "ngram")
     if a.draft is not None and a.speculative in ("none", "ngram"):
         parser.error(f"--draft is not used with --speculative {a.speculative}")
     try:
@@ -515,7 +523,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, S
         )
         kv = KVConfig(page_size=a.page_size, num_pages=a.num_pages)
         config = EngineConfig(
-            model=a.model,
+            model=model,
             spec=spec,
             kv=kv,
             device=a.device,

@@ -131,7 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("server_args", nargs="*", help="flags for server.py (after --)")
     args = parser.parse_args(argv)
-    command = [sys.executable, "server.py", "--port", str(args.port), *args.server_args]
+    # the demo unless the flags name another model (argparse takes a flag's last value)
+    flags = ["--port", str(args.port), "--model", "demo", *args.server_args]
+    command = [sys.executable, "server.py", *flags]
     server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{args.port}"
     try:

@@ -45,6 +45,7 @@ from engine.scheduler import Batch, Scheduler, Sequence
 from engine.trace import Tracer
 from kv.cache import KVCache
 from kv.pages import PageAllocator
+from models.gguf import packaged_smollm2
 from models.llama import prepare_for_inference
 from models.loader import load_model
 from models.tokenizer import Tokenizer
@@ -61,6 +62,20 @@ from stages.verify import Verifier
 log = logging.getLogger("tandem.engine")
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "models" / "demo"
+SMOLLM2 = "smollm2"  # EngineConfig.model naming SmolLM2-135M-Instruct's registry package
+MODEL_NAMES = {None: "tandem-demo", SMOLLM2: "SmolLM2-135M-Instruct"}
+
+
+def model_path(model: str | None) -> Path:
+    """A model's directory or GGUF file: the tiny demo family's target (None),
+    SmolLM2-135M-Instruct from its registry package ("smollm2"), or the path given."""
+    if model is None:
+        return DEMO_DIR / "target"
+    if model == SMOLLM2:
+        return packaged_smollm2()
+    return Path(model)
+
+
 # How long a thread may hold the GIL while another waits for it. The compute thread re-takes
 # the GIL after every torch call (hundreds a step, microseconds each); at Python's default of
 # 5 ms, each time the event loop runs Python meanwhile, the device work can stall for up to
@@ -116,11 +131,11 @@ class AsyncEngine:
         """Models, caches, stages and the cost model's calibration (on the device's thread)."""
         config = self.config
         dtype = getattr(torch, config.dtype)
-        model_dir = Path(config.model) if config.model else DEMO_DIR / "target"
+        model_dir = model_path(config.model)
         self.model = load_model(model_dir, dtype, self.device)
         prepare_for_inference(self.model)
         self.tokenizer = Tokenizer(model_dir)
-        self.model_name = model_dir.name if config.model else "tandem-demo"
+        self.model_name = MODEL_NAMES.get(config.model, model_dir.stem)
         cfg = self.model.config
         self.vocab_size = cfg.vocab_size
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings

