@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -76,7 +76,7 @@ def paged_tables(batch: int, num_slots: int, page_size: int) -> tuple[PageAlloca
     return allocator, tables
 
 
-def text_table(header: list[str], rows: list[list[object]]) -> str:
+def text_table(header: list[str], rows: Sequence[Sequence[object]]) -> str:
     """A Markdown table of already formatted cells."""
     lines = [header, *([str(c) for c in row] for row in rows)]
     rule = "|" + "---|" * len(header)

@@ -54,6 +54,7 @@ from safetensors import safe_open
 
 from bench.bandwidth import floor_seconds, measure_bandwidth
 from bench.common import heldout_prompts
+from bench.peer_tables import speed_table, ttft_table
 from models.loader import safetensors_files
 from models.tokenizer import Tokenizer
 
@@ -391,48 +392,6 @@ def ttft_rows(results: dict[tuple, JSON], args: argparse.Namespace) -> dict[str,
         if key in results and "ttft" in results[key]:
             rows.setdefault(method, {})[side.name] = results[key]["ttft"]
     return rows
-
-
-def markdown(header: list[str], rows: list[list[str]]) -> str:
-    lines = [header, ["---"] * len(header), *rows]
-    return "\n".join("| " + " | ".join(line) + " |" for line in lines)
-
-
-def ratio(ours: float | None, theirs: float | None) -> str:
-    return f"{ours / theirs:.2f}x" if ours and theirs else "-"
-
-
-def cell_texts(cell: JSON | None) -> list[str]:
-    """tokens/s and accepted/drafted (share) of one side's cell, or dashes."""
-    if not cell:
-        return ["-", "-"]
-    if not cell["drafted"]:
-        return [f"{cell['tokens_per_s']:.1f}", "-"]
-    drafts = f"{cell['accepted']}/{cell['drafted']} ({cell['acceptance']:.0%})"
-    return [f"{cell['tokens_per_s']:.1f}", drafts]
-
-
-def speed_table(rows: list[JSON], floor_ms: dict[str, float]) -> str:
-    floor = " / ".join(f"{floor_ms.get(side.name, 0):.1f}" for side in (TANDEM, LLAMA))
-    lines = []
-    for row in rows:
-        ours, theirs = row.get(TANDEM.name), row.get(LLAMA.name)
-        speeds = [c["tokens_per_s"] if c else None for c in (ours, theirs)]
-        head = [row["method"], str(row["batch"]), f"{row['temperature']:g}"]
-        lines.append(head + cell_texts(ours) + cell_texts(theirs) + [ratio(*speeds), floor])
-    header = ["method", "batch", "T", "tandem tok/s", "accepted", "llama.cpp tok/s", "accepted"]
-    return markdown(header + ["tandem / llama.cpp", "floor ms (tandem / llama.cpp)"], lines)
-
-
-def ttft_table(rows: dict[str, JSON], tokens: int) -> str:
-    lines = []
-    for method, row in rows.items():
-        ours, theirs = row.get(TANDEM.name), row.get(LLAMA.name)
-        ms = [f"{1000 * s:.0f}" if s else "-" for s in (ours, theirs)]
-        lines.append([method, *ms, ratio(theirs, ours)])  # shorter is better: theirs over ours
-    header = [f"method ({tokens}-token prompt)", "tandem TTFT ms", "llama.cpp TTFT ms"]
-    header.append("llama.cpp / tandem")
-    return markdown(header, lines)
 
 
 def write_json(path: Path, report: JSON) -> None:
