@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import gguf
 from safetensors import safe_open
 
 from bench.bandwidth import floor_seconds, measure_bandwidth
@@ -349,7 +350,10 @@ def bench_prompts(tokenizer: Tokenizer, count: int, ttft_tokens: int) -> tuple[l
 
 
 def tandem_weight_bytes(directory: Path) -> int:
-    """The target's weights as our server holds them: float32 (a tied matrix is stored once)."""
+    """The target's weights as our server holds them: float32 (a tied matrix is stored once;
+    a GGUF file's tensors are dequantized)."""
+    if directory.suffix == ".gguf":
+        return 4 * sum(int(t.n_elements) for t in gguf.GGUFReader(str(directory)).tensors)
     numel = 0
     for path in safetensors_files(directory):
         with safe_open(str(path), framework="pt") as f:
