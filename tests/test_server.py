@@ -593,15 +593,19 @@ def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         assert f"--{flag}" in out
 
 
-async def test_sigterm_stops_accepting_aborts_and_returns(capsys: pytest.CaptureFixture) -> None:
-    engine = FakeEngine(delay=0.02)
+async def serving(engine: FakeEngine, capsys: pytest.CaptureFixture) -> tuple[asyncio.Task, str]:
+    """serve() started as a task, and the URL it says it listens on."""
     task = asyncio.create_task(serve(engine, ServerOptions(port=0)))
     for _ in range(200):
         if found := re.search(r"http://\S+", capsys.readouterr().out):
-            break
+            return task, found.group(0)
         await asyncio.sleep(0.01)
-    assert found, "serve() did not say where it listens"
-    url = found.group(0)
+    raise AssertionError("serve() did not say where it listens")
+
+
+async def test_sigterm_stops_accepting_aborts_and_returns(capsys: pytest.CaptureFixture) -> None:
+    engine = FakeEngine(delay=0.02)
+    task, url = await serving(engine, capsys)
     async with TandemClient(url) as client:
         stream = await client.complete("a", max_tokens=50, stream=True)
         await anext(stream)
@@ -618,16 +622,11 @@ async def test_a_failed_engine_turns_health_to_503_and_serve_returns_1(
     """A supervisor sees the failure: /health answers 503 with the cause, and serve() ends
     with status 1 (main's exit status) without waiting for a signal."""
     engine = FakeEngine()
-    task = asyncio.create_task(serve(engine, ServerOptions(port=0)))
-    for _ in range(200):
-        if found := re.search(r"http://\S+", capsys.readouterr().out):
-            break
-        await asyncio.sleep(0.01)
-    assert found, "serve() did not say where it listens"
-    async with TandemClient(found.group(0)) as client:
+    task, url = await serving(engine, capsys)
+    async with TandemClient(url) as client:
         assert (await client.health())["status"] == "ok"
         engine.failure = "the plan loop failed: AssertionError: boom"
-        async with client.session.get(found.group(0) + "/health") as response:
+        async with client.session.get(url + "/health") as response:
             assert response.status == 503
             assert (await response.json())["cause"] == engine.failure
         engine.failed.set()
