@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import hmac
 import ipaddress
 import json
 import logging
 import signal
 import sys
+import time
 from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -211,6 +211,7 @@ OPTIONS = web.AppKey("options", ServerOptions)
 MODEL = web.AppKey("model", str)
 LARGE_BODIES = web.AppKey("large_bodies", asyncio.Semaphore)
 SMALL_BODY_BYTES = 64 << 10  # a chat of a few thousand tokens
+LARGE_BODY_RATE = 32 << 20  # bytes/s: a 1 MiB body a 30 ms, while streams keep their pace
 
 
 T = TypeVar("T")
@@ -225,16 +226,26 @@ async def off_loop(fn: Callable[..., T], *args: Any) -> T:
 async def read_body(request: web.Request) -> Any:
     if request.content_type != "application/json":
         raise ApiError(415, "the request body must be application/json", code="bad_content_type")
-    small = request.content_length is not None and request.content_length <= SMALL_BODY_BYTES
-    # large bodies are read and parsed one at a time: a flood of them then waits in the
-    # sockets (TCP backpressure) instead of taking the loop and the GIL from running streams
-    async with contextlib.nullcontext() if small else request.app[LARGE_BODIES]:
+    if request.content_length is not None and request.content_length <= SMALL_BODY_BYTES:
+        return await off_loop(parse_json, await read_bytes(request))
+    # Large bodies go through one lane, one at a time and at LARGE_BODY_RATE at most (refused
+    # ones too): a flood of them then waits in the sockets (TCP backpressure) instead of taking
+    # the event loop, a core and the GIL from the streams that run (bench.stream_gaps).
+    async with request.app[LARGE_BODIES]:
+        start, raw = time.monotonic(), b""
         try:
-            async with asyncio.timeout(request.app[OPTIONS].read_timeout_s):
-                raw = await request.read()  # past client_max_size: a 413
-        except TimeoutError:
-            raise ApiError(408, "the request body did not arrive in time", code="timeout") from None
-        return await off_loop(parse_json, raw)
+            raw = await read_bytes(request)
+            return await off_loop(parse_json, raw)
+        finally:
+            await asyncio.sleep(len(raw) / LARGE_BODY_RATE - (time.monotonic() - start))
+
+
+async def read_bytes(request: web.Request) -> bytes:
+    try:
+        async with asyncio.timeout(request.app[OPTIONS].read_timeout_s):
+            return await request.read()  # past client_max_size: a 413
+    except TimeoutError:
+        raise ApiError(408, "the request body did not arrive in time", code="timeout") from None
 
 
 def parse_json(raw: bytes) -> Any:
