@@ -196,9 +196,9 @@ def tokenizer_from_gguf(path: str | Path) -> dict[str, Any]:
     tok.pre_tokenizer = _pre_tokenizer(PRE_TOKENIZERS[pre])
     tok.decoder = decoders.ByteLevel()
     added = [
-        tokenizers.AddedToken(t, special=kind == TOKEN_CONTROL, normalized=False)
-        for t, kind in zip(tokens, types, strict=True)
-        if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED)
+        tokenizers.AddedToken(t, special=token_type == TOKEN_CONTROL, normalized=False)
+        for t, token_type in zip(tokens, types, strict=True)
+        if token_type in (TOKEN_CONTROL, TOKEN_USER_DEFINED)
     ]
     tok.add_special_tokens([a for a in added if a.special])
     tok.add_tokens([a for a in added if not a.special])
