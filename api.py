@@ -17,15 +17,8 @@ from collections.abc import AsyncIterable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeGuard
 
-from engine.request import (
-    INT32_MAX,
-    MAX_LOGIT_BIAS,
-    Delta,
-    FinishReason,
-    SamplingParams,
-    TokenLogprob,
-    Usage,
-)
+from core.params import INT32_MAX, MAX_LOGIT_BIAS, SamplingParams
+from engine.request import Delta, FinishReason, TokenLogprob, Usage
 
 JSON = dict[str, Any]
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.request import SamplingParams
+from core.params import SamplingParams
 from models.attention import cast
 
 SALT_SAMPLE = 0  # the token emitted at a position: plain decode, bonus, recovered, tree

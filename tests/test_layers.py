@@ -1,7 +1,8 @@
 """The layering: each layer imports only the layers below it (server/api/client -> engine ->
-stages -> models -> kv), imports inside functions included.
+stages -> models -> kv; core, the plain shared types, below them all), imports inside
+functions included.
 
-The stages still import four engine modules' types (the known crossings below); the structure
+The stages still import three engine modules' types (the known crossings below); the structure
 work moves those types into a plain shared layer. Until then the list is a ratchet: a crossing
 not on it fails, and so does one on it that has gone.
 """
@@ -14,10 +15,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # layer: the layers of ours it may import (itself always)
 ALLOWED = {
+    "core": set(),
     "kv": set(),
     "models": {"kv"},
-    "stages": {"models", "kv"},
-    "engine": {"stages", "models", "kv"},
+    "stages": {"core", "models", "kv"},
+    "engine": {"core", "stages", "models", "kv"},
 }
 KNOWN_CROSSINGS = {
     ("stages/draft.py", "engine.scheduler"),
@@ -27,9 +29,20 @@ KNOWN_CROSSINGS = {
     ("stages/mtp_drafter.py", "engine.scheduler"),
     ("stages/plan.py", "engine.device"),
     ("stages/plan.py", "engine.scheduler"),
-    ("stages/sample.py", "engine.request"),
 }
-OURS = {"kv", "models", "stages", "engine", "api", "server", "client", "train", "bench", "tests"}
+OURS = {
+    "core",
+    "kv",
+    "models",
+    "stages",
+    "engine",
+    "api",
+    "server",
+    "client",
+    "train",
+    "bench",
+    "tests",
+}
 
 
 def imported_modules(source: str) -> set[str]:
