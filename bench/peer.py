@@ -32,19 +32,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import json
 import math
 import re
 import shlex
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +53,7 @@ from safetensors import safe_open
 from bench.bandwidth import floor_seconds, measure_bandwidth
 from bench.common import heldout_prompts
 from bench.peer_tables import speed_table, ttft_table
+from bench.served import serving
 from models.loader import safetensors_files
 from models.tokenizer import Tokenizer
 
@@ -178,46 +176,6 @@ def launches(args: argparse.Namespace, context: int) -> list[Launch]:
     return list(out.values())
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.asynccontextmanager
-async def serving(launch: Launch, log: Path, timeout: float) -> AsyncIterator[str]:
-    """Start the server, yield its URL once /health answers 200, stop it on the way out."""
-    port = free_port()
-    command = [*launch.command, "--port", str(port)]
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        await wait_healthy(url, process, log, timeout)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-async def wait_healthy(url: str, process: subprocess.Popen, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited ({process.returncode}); see {log}")
-            with contextlib.suppress(aiohttp.ClientError):
-                async with session.get(url + "/health") as response:
-                    if response.status == 200:  # llama.cpp: 503 while it loads
-                        return
-            await asyncio.sleep(0.5)
-    raise RuntimeError(f"the server was not healthy within {timeout:.0f} s; see {log}")
-
-
 # ---- measuring ----
 
 
@@ -312,7 +270,7 @@ async def measure_launch(
     log = args.log_dir / f"{launch.side.name}-{launch.spec}-np{launch.slots}.log"
     timeout = aiohttp.ClientTimeout(total=None, sock_read=args.request_timeout)
     result: JSON = {"cells": {}}
-    async with serving(launch, log, args.startup_timeout) as url:
+    async with serving(launch.command, log, args.startup_timeout) as url:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             client = Client(session, url, launch.side)
             for batch in batches:

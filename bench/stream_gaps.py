@@ -14,16 +14,15 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
 
 from bench.common import percentile, text_table
-
-ROOT = Path(__file__).resolve().parent.parent
+from bench.served import serving
 
 
 def body_of_size(n: int, chat: bool) -> bytes:
@@ -107,23 +106,14 @@ async def measure(url: str, args: argparse.Namespace) -> dict:
     }
 
 
-async def wait_ready(url: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            try:
-                async with session.get(url + "/health") as response:
-                    if response.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.5)
-    raise SystemExit("the server did not start")
+async def served_measure(command: list[str], args: argparse.Namespace) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".log") as log:
+        async with serving(command, Path(log.name), timeout=180) as url:
+            return await measure(url, args)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--body-bytes", type=int, default=(1 << 20) - 1024)
     parser.add_argument("--seconds", type=float, default=6.0, help="of each phase")
@@ -132,16 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("server_args", nargs="*", help="flags for server.py (after --)")
     args = parser.parse_args(argv)
     # the demo unless the flags name another model (argparse takes a flag's last value)
-    flags = ["--port", str(args.port), "--model", "demo", *args.server_args]
-    command = [sys.executable, "server.py", *flags]
-    server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{args.port}"
-    try:
-        asyncio.run(wait_ready(url))
-        result = asyncio.run(measure(url, args))
-    finally:
-        server.terminate()
-        server.wait(30)
+    command = [sys.executable, "server.py", "--model", "demo", *args.server_args]
+    result = asyncio.run(served_measure(command, args))
     rows = [
         [phase, r["chunks"], f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", f"{r['worst_ms']:.1f}"]
         for phase, r in (("alone", result["alone"]), ("flooded", result["flooded"]))

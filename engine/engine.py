@@ -301,7 +301,6 @@ class AsyncEngine:
             while self._published < step - lag:
                 self._publishes.clear()
                 await self._publishes.wait()
-            # a step that could not be planned never runs: its number is planned again
             while (planned := self._plan(step)) is None:
                 await self._idle()
             plan, packed = planned
@@ -314,12 +313,13 @@ class AsyncEngine:
         if self._completed:
             await _settled(self._completed[min(self._completed)].events["refill"])
             return
-        await self._wake.wait()  # news since the last wait counts: it is cleared after
         self._wake.clear()
+        await self._wake.wait()
 
     def _plan(self, step: int) -> tuple[Plan, tuple[list[int], dict[str, int]]] | None:
-        """The step's plan and its packed fields; None when there is nothing to run or the
-        plan failed (its requests are failed then)."""
+        """The step's plan and its packed fields; None when there is nothing to run. A plan
+        that fails fails its requests (planning each alone finds the culprits), and the step
+        is planned again without them."""
         start = time.perf_counter()
         self._release_completed()
         batch = self.scheduler.schedule(step)
@@ -330,7 +330,7 @@ class AsyncEngine:
             packed = pack(plan.fields)
         except Exception as error:  # noqa: BLE001 - a plan's fault fails requests, not the loop
             self._plan_failed(step, batch, error)
-            return None
+            return self._plan(step)  # at once, without the failed requests
         for seq, chunk, emits in zip(batch.seqs, batch.chunks, plan.emits, strict=True):
             seq.request.inflight += 1
             seq.num_prefilled += chunk
