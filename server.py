@@ -40,7 +40,14 @@ from api import (
     sampling_params,
     validate,
 )
-from engine.config import SPECULATIVE_METHODS, TREE_SHAPES, EngineConfig, KVConfig, SpecConfig
+from engine.config import (
+    ATTENTION_BACKENDS,
+    SPECULATIVE_METHODS,
+    TREE_SHAPES,
+    EngineConfig,
+    KVConfig,
+    SpecConfig,
+)
 from engine.request import Delta, EngineFailed, InvalidRequest, Overloaded
 
 log = logging.getLogger("tandem.server")
@@ -480,6 +487,13 @@ def build_parser() -> argparse.ArgumentParser:
         "demo, whose draft model and heads ship with it; ngram for other models)",
     )
     parser.add_argument(
+        "--attention",
+        choices=ATTENTION_BACKENDS,
+        default=engine.attention,
+        help="attention backend of every forward; flashinfer: CUDA only, not yet proven "
+        f"against torch's on a device (default: {engine.attention})",
+    )
+    parser.add_argument(
         "--tree",
         choices=TREE_SHAPES,
         default=spec.tree,
@@ -538,6 +552,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, S
             spec=spec,
             kv=kv,
             device=a.device,
+            attention=a.attention,
             dtype=a.dtype,
             max_running=a.max_running,
             max_waiting=a.max_waiting,

@@ -209,7 +209,7 @@ class EngineRunner:
             verify = mean(lambda s: alone(s, ("verify",)))
             return forwards, verify, mean(lambda s: alone(s, ("draft", "refill")))
 
-        return await asyncio.wrap_future(self.engine.compute.submit(timed_alone).future)
+        return await asyncio.wrap_future(self.engine.executor.compute.submit(timed_alone).future)
 
 
 KINDS = ("draft", "verify", "refill")  # a step's forwards, in the engine's order

@@ -47,9 +47,9 @@ from bench.runners import (
     eos_id,
     hf_models,
 )
+from engine.builder import DEMO_DIR
 from engine.config import EngineConfig, KVConfig, SpecConfig
 from engine.device import run_on_device
-from engine.engine import DEMO_DIR
 from models.tokenizer import Tokenizer
 
 MIN_REPEATS = 5

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from bench.common import timed
 from bench.model_step import OursDecode
-from engine.engine import DEMO_DIR
+from engine.builder import DEMO_DIR
 from models.linear import PackedLinear
 from models.llama import LlamaModel, prepare_for_inference
 from models.loader import load_model

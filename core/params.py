@@ -1,9 +1,11 @@
-"""Sampling parameters: the plain type every layer shares (it imports nothing of ours)."""
+"""Sampling parameters and their per-batch tensor form: plain types every layer shares."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import torch
 
 
 class InvalidRequest(ValueError):
@@ -75,3 +77,78 @@ def _check_float(name: str, value: object, lo: float, hi: float, low_open: bool 
     if not (above and value <= hi):  # type: ignore[operator]
         bracket = "(" if low_open else "["
         raise InvalidRequest(f"{name} must be a number in {bracket}{lo:g}, {hi:g}], got {value!r}")
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters of a batch, on the device.
+
+    The flags are host-side summaries (no device sync to read them) that let callers skip
+    work; their defaults are the safe ones for tensors built by hand.
+    """
+
+    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    top_k: torch.Tensor  # [B] int64, 0 = off
+    top_p: torch.Tensor  # [B] float32, 1 = off
+    min_p: torch.Tensor  # [B] float32, 0 = off
+    presence_penalty: torch.Tensor  # [B] float32
+    frequency_penalty: torch.Tensor  # [B] float32
+    repetition_penalty: torch.Tensor  # [B] float32, 1 = off
+    seeds: torch.Tensor  # [B] int64
+    logit_bias: torch.Tensor | None = None  # [B, V] float32 added to the logits; None: none
+    all_greedy: bool = False
+    any_greedy: bool = True
+    any_penalty: bool = True
+    any_top_k_or_p: bool = True  # among the sampled rows
+    any_min_p: bool = True  # among the sampled rows
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        seeds: list[int],
+        device: torch.device | str,
+        vocab_size: int | None = None,  # needed when a request brings a logit_bias
+    ) -> SamplingTensors:
+        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        f32 = torch.float32
+        sampled = [p for p in params if not p.greedy]
+        return cls(
+            temperature=column([0.0 if p.greedy else p.temperature for p in params], f32),
+            top_k=column([p.top_k for p in params], torch.int64),
+            top_p=column([p.top_p for p in params], f32),
+            min_p=column([p.min_p for p in params], f32),
+            presence_penalty=column([p.presence_penalty for p in params], f32),
+            frequency_penalty=column([p.frequency_penalty for p in params], f32),
+            repetition_penalty=column([p.repetition_penalty for p in params], f32),
+            # any Python int seed, wrapped into int64 (two's complement)
+            seeds=column([(s + 2**63) % 2**64 - 2**63 for s in seeds], torch.int64),
+            logit_bias=_bias_rows(params, vocab_size, device),
+            all_greedy=not sampled,
+            any_greedy=len(sampled) < len(params),
+            any_penalty=any(
+                p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+                for p in params
+            ),
+            any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in sampled),
+            any_min_p=any(p.min_p > 0 for p in sampled),
+        )
+
+
+def _bias_rows(
+    params: list[SamplingParams], vocab_size: int | None, device: torch.device | str
+) -> torch.Tensor | None:
+    """[B, V] the requests' logit biases, dense; None when no request has one."""
+    if not any(p.logit_bias for p in params):
+        return None
+    if vocab_size is None:
+        raise ValueError("a logit_bias needs the vocabulary size")
+    bias = torch.zeros(len(params), vocab_size, dtype=torch.float32)
+    for row, p in enumerate(params):
+        for token_id, value in p.logit_bias:
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(f"logit_bias token id {token_id} is outside the vocabulary")
+            bias[row, token_id] = value
+    return bias.to(device)

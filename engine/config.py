@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SPECULATIVE_METHODS = ("none", "draft", "ngram", "eagle", "mtp")
+ATTENTION_BACKENDS = ("torch", "flashinfer")  # engine/builder.py makes them
 TREE_SHAPES = ("chain", "fixed", "dynamic")
 # the default fixed tree: each path ranks the children taken from the root down (0: the
 # drafter's top token); wide near the root, where acceptance is likeliest, then chain-like
@@ -54,8 +55,8 @@ class SpecConfig:
     # EAGLE tree drafting: a chain verifies the fewest rows; trees pay with a head that
     # accepts well (the verify batch holds tree_nodes + 1 rows per sequence)
     tree: str = "chain"
-    # dynamic tree: N nodes; verifying N + 1 rows costs the demo target 1.3x a one-token step
-    # at N = 8, 1.7x at 16, 2.3x at 32 (512-token context; bench/tree_attention.py)
+    # dynamic tree: N nodes; a verify of N + 1 rows costs more than a one-token step, and
+    # the more so the larger N (bench/tree_attention.py, bench/results/NOTES.md)
     tree_nodes: int = 8
     tree_depth: int = 4  # dynamic tree: levels drafted; acceptance rarely runs deeper
     tree_topk: int = 4  # dynamic tree: children per expanded node, nodes expanded per level
@@ -133,6 +134,7 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     kv: KVConfig = field(default_factory=KVConfig)
     device: str = "cpu"
+    attention: str = "torch"  # the attention backend of every forward (ATTENTION_BACKENDS)
     dtype: str = "float32"  # weights and activations; bfloat16 checkpoints are upcast on CPU
     max_running: int = 64  # bound on requests decoding at once
     max_waiting: int = 256  # bound on the waiting queue; past it submissions are refused
@@ -150,6 +152,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.watchdog_s <= 0 or self.max_failed_steps < 1:
             raise ValueError("watchdog_s must be > 0 and max_failed_steps at least 1")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"unknown attention backend {self.attention!r}; choose from {ATTENTION_BACKENDS}"
+            )
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         for name in ("max_running", "max_waiting", "max_batch_tokens"):

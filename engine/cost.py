@@ -34,9 +34,6 @@ import torch
 
 from models.attention import CausalAttention
 
-PRIOR_RATE = 0.6  # acceptance assumed for a new request (the demo pair's greedy is ~0.65)
-PRIOR_WEIGHT = 4.0  # ... worth this many drafted positions
-FORGET = 0.95  # per step: recent steps count more (acceptance drifts with the text)
 FACTOR_SMOOTHING = 0.1  # weight of a new measurement in a correction factor
 
 
@@ -92,34 +89,6 @@ class Calibration:
     def load(cls, path: str | Path) -> Calibration:
         d = json.loads(Path(path).read_text())
         return cls(Curve(**d["verify"]), Curve(**d["draft"]))
-
-
-@dataclass
-class AcceptanceRate:
-    """One request's smoothed chance that a draft token is accepted (given its prefix was).
-
-    A step that drafted n tokens and accepted a of them saw a acceptances and, if a < n, one
-    rejection; the estimate is acceptances over trials, both decayed by FORGET each step."""
-
-    accepted: float = PRIOR_RATE * PRIOR_WEIGHT
-    trials: float = PRIOR_WEIGHT
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        if drafted == 0:
-            return
-        self.accepted = FORGET * self.accepted + accepted
-        self.trials = FORGET * self.trials + accepted + (accepted < drafted)
-
-    def idle(self) -> None:
-        """A step that drafted nothing: the evidence fades toward the prior's, by FORGET.
-        Without it a low estimate would turn drafting off for good, since only drafting
-        shows it otherwise."""
-        self.accepted = FORGET * self.accepted + (1 - FORGET) * PRIOR_RATE * PRIOR_WEIGHT
-        self.trials = FORGET * self.trials + (1 - FORGET) * PRIOR_WEIGHT
-
-    @property
-    def rate(self) -> float:
-        return min(self.accepted / self.trials, 0.999)
 
 
 def expected_tokens(rate: float, drafts: int) -> float:

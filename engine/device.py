@@ -72,8 +72,8 @@ class Stream:
     On CUDA each stream has a thread of its own. On the CPU every stream of the process hands
     its work to one shared thread (`cpu_thread`), in submission order: OpenMP gives each thread
     that runs parallel torch work a team of its own, and once there are more team threads than
-    cores it stops spinning between parallel regions, which made the demo's forwards 10-40%
-    slower. One thread doing all the CPU's torch work keeps one team."""
+    cores it stops spinning between parallel regions, which slows every forward
+    (bench/results/NOTES.md). One thread doing all the CPU's torch work keeps one team."""
 
     def __init__(self, device: torch.device, name: str, delay: float = 0.0, seed: int = 0):
         self.device = device
@@ -145,7 +145,7 @@ class _Worker:
         if device is not None and device.type == "cuda":
             torch.cuda.set_device(device)
         # device work never needs autograd; inference mode also skips the version counters
-        # and view tracking (the demo's forwards ran 8-9% faster than under no_grad)
+        # and view tracking (measurably faster than no_grad: bench/results/NOTES.md)
         with torch.inference_mode():
             while (work := self._queue.get()) is not None:
                 work()

@@ -10,40 +10,11 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from dataclasses import dataclass, field
 
-from engine.request import Request
+from core.request import Request
+from core.step import Batch, Sequence, StepKind
 from kv.pages import OutOfPages, PageAllocator
 from kv.table import PageTable
-
-
-@dataclass
-class Sequence:
-    """Host-side state of one admitted request."""
-
-    request: Request
-    table: PageTable
-    row: int  # the request's row in the device's per-request buffers (token history, ...)
-    num_prefilled: int = 0  # tokens of `prefill_ids` whose KV is written
-    num_tokens: int = 0  # committed tokens as the host knows them (prompt + output)
-    num_pending: int = 0  # tokens that in-flight steps will add (plain decoding's look-ahead)
-    last_step: int = -1  # the last step that wrote this sequence's KV
-    prefill_ids: list[int] = field(default_factory=list)  # prompt (+ output after preemption)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.num_prefilled < len(self.prefill_ids)
-
-    @property
-    def planned_tokens(self) -> int:
-        return self.num_tokens + self.num_pending
-
-
-@dataclass
-class Batch:
-    kind: str  # "prefill" or "decode"
-    seqs: list[Sequence]
-    chunks: list[int]  # prefill: tokens of each sequence in this step; decode: 0
 
 
 class Scheduler:
@@ -66,7 +37,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.free_rows = list(range(max_running - 1, -1, -1))
         self.num_preemptions = 0
-        self._last_kind = "decode"
+        self._last_kind = StepKind.DECODE
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -80,16 +51,24 @@ class Scheduler:
         lookahead = self.lookahead if lookahead is None else lookahead
         decoding = [s for s in self.running if not s.prefilling and not self._exhausted(s)]
         want_prefill = self.waiting or any(s.prefilling for s in self.running)
-        if want_prefill and (self._last_kind == "decode" or not decoding):
+        if want_prefill and (self._last_kind == StepKind.DECODE or not decoding):
             batch = self._schedule_prefill(step)
             if batch is not None:
-                self._last_kind = "prefill"
+                self._last_kind = StepKind.PREFILL
                 return batch
         if not decoding:
             return None
-        self._last_kind = "decode"
+        self._last_kind = StepKind.DECODE
         batch = self._schedule_decode(step, lookahead)
         return batch if batch.seqs else None
+
+    def planned(self, batch: Batch, emits: list[bool]) -> None:
+        """The batch's step is planned: its prompt chunks count as prefilled, and the tokens
+        it will emit as pending until they are published."""
+        for seq, chunk, emitting in zip(batch.seqs, batch.chunks, emits, strict=True):
+            seq.request.inflight += 1
+            seq.num_prefilled += chunk
+            seq.num_pending += int(emitting)
 
     def slots_needed(self, num_tokens: int) -> int:
         """Slots a request of num_tokens committed tokens holds before its next decode step."""
@@ -118,7 +97,7 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(seq)
             budget -= chunks[-1]
-        return Batch("prefill", seqs, chunks) if seqs else None
+        return Batch(StepKind.PREFILL, seqs, chunks) if seqs else None
 
     def _admit(self, request: Request) -> Sequence:
         seq = Sequence(request, PageTable(self.page_size), self.free_rows.pop())
@@ -152,7 +131,7 @@ class Scheduler:
             if seq in self.running:
                 seq.last_step = step
                 seqs.append(seq)
-        return Batch("decode", seqs, [0] * len(seqs))
+        return Batch(StepKind.DECODE, seqs, [0] * len(seqs))
 
     def _preempt(self, step: int, exclude: list[Sequence]) -> None:
         """Free the youngest request's pages; it is recomputed from its tokens later."""

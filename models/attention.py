@@ -2,18 +2,18 @@
 
 A backend object is built once per forward from the step's `AttentionMetadata` and called by
 every layer with that layer's q, k, v. It writes the new keys and values into the cache and
-attends over each sequence's keys. The torch backend runs everywhere (CPU, and fallback on
-CUDA); FlashInfer is used on CUDA when it is installed.
+attends over each sequence's keys. The torch backend runs everywhere and is the default;
+FlashInfer's (models/flashinfer_backend.py) can be chosen on CUDA (`--attention flashinfer`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from core.attention import AttentionMetadata
 from kv.cache import KVCache
 
 
@@ -25,48 +25,12 @@ class Attention(Protocol):
     ) -> torch.Tensor: ...
 
 
-@dataclass
-class AttentionMetadata:
-    """Where the T query tokens of one forward write their KV and which keys they see.
+class AttentionBackend(Protocol):
+    """Builds one forward's Attention over a cache from the forward's metadata. The builder
+    chooses one backend at start-up (engine/builder.py) and hands it to every stage that runs
+    a forward; TorchPagedAttention is one."""
 
-    Sequences are padded to the longest one so that a layer's attention is one batched call.
-    Key j of sequence b lives at slot `kv_slots[b, j]`; a query sees key j when j <= its
-    position (causal by position, which holds for prefill, decode and chain verify) and
-    j < kv_lens[b], unless `mask` (a tree) says otherwise.
-    """
-
-    slot_mapping: torch.Tensor  # [T] int64, slot each token's K/V is written to
-    kv_slots: torch.Tensor  # [B, Lmax] int64, slot of each key (padding points at slot 0)
-    kv_lens: torch.Tensor  # [B] int64, number of keys of each sequence
-    q_index: torch.Tensor  # [T] int64, index of each token in the padded [B * Qmax] layout
-    # (tokens come sequence by sequence, in the order qo_indptr gives them)
-    q_positions: torch.Tensor  # [B, Qmax] int64, position of each padded query (0 for padding)
-    mask: torch.Tensor | None = None  # [B, Qmax, Lmax] bool; replaces the causal rule (trees)
-    # What forwards over the same keys share, built by the first of them: copies that keep
-    # kv_slots and kv_lens (a tree's verify, a step's drafter forwards) pass the same dict.
-    shared: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
-
-    @property
-    def num_seqs(self) -> int:
-        return self.kv_slots.shape[0]
-
-    @property
-    def max_q(self) -> int:
-        return self.q_positions.shape[1]
-
-    def visible(self) -> torch.Tensor:
-        """[B, Qmax, Lmax] bool: which keys each padded query attends to."""
-        keys, in_seq = self._keys()
-        if self.mask is not None:
-            return self.mask & in_seq
-        return (keys <= self.q_positions[:, :, None]) & in_seq
-
-    def _keys(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(key indices [1, 1, Lmax], whether each key exists [B, 1, Lmax])."""
-        if "keys" not in self.shared:
-            keys = torch.arange(self.kv_slots.shape[1], device=self.kv_slots.device)[None, None]
-            self.shared["keys"] = keys, keys < self.kv_lens[:, None, None]
-        return self.shared["keys"]
+    def __call__(self, meta: AttentionMetadata, cache: KVCache, num_q_heads: int) -> Attention: ...
 
 
 class TorchPagedAttention:

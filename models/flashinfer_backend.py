@@ -6,14 +6,17 @@ its last qo_len keys, which is our rule (query i sits at position kv_len - qo_le
 keys up to it). A tree replaces the causal rule with a packed custom mask (`models.masks`).
 
 `flashinfer` is imported when a planner is built, never when this module is imported: the CPU
-environment does not install it.
+environment does not install it. `FlashInferBackend` is the engine's entry (the attention
+backend protocol); it is not the default until tests/gpu/ proves it through the engine.
 """
 
 from __future__ import annotations
 
 import torch
 
+from core.attention import AttentionMetadata
 from kv.cache import KVCache
+from models.masks import pack_tree_mask
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace per wrapper
 
@@ -107,3 +110,48 @@ class FlashInferAttention:
         store[self.write_rows + self.cache.page_size] = v.to(store.dtype)
         # q is a view into the rotated q|k rows (models/llama.py); the kernel reads dense rows
         return self.wrapper.run(q.contiguous(), self.cache.data[layer])  # [T, Hq, D]
+
+
+class FlashInferBackend:
+    """The AttentionBackend protocol over FlashInfer (`--attention flashinfer`, CUDA only).
+
+    Each forward is planned from its own metadata: the pages from `kv_slots` and `kv_lens`,
+    and what each query sees as a custom mask (`meta.visible()`), which holds for every
+    forward the engine runs, including drafter forwards whose queries sit before the step's
+    last keys (FlashInfer's causal alignment would not). Planning reads the metadata on the
+    host: a device sync per forward, which planning at plan time (from the step's CSR,
+    `FlashInferPlanner.plan`) would remove.
+    """
+
+    def __init__(self) -> None:
+        self.planners: dict[tuple, FlashInferPlanner] = {}  # one per head shape and dtype
+
+    def __call__(
+        self, meta: AttentionMetadata, cache: KVCache, num_q_heads: int
+    ) -> FlashInferAttention:
+        dtype, device, ps = cache.data.dtype, cache.data.device, cache.page_size
+        key = (num_q_heads, cache.num_kv_heads, cache.head_dim, ps, dtype, device)
+        planner = self.planners.get(key)
+        if planner is None:
+            planner = FlashInferPlanner(
+                num_q_heads, cache.num_kv_heads, cache.head_dim, ps, dtype, device
+            )
+            self.planners[key] = planner
+        kv_lens = meta.kv_lens.cpu()
+        q_lens = torch.bincount(meta.q_index.cpu() // meta.max_q, minlength=kv_lens.numel())
+        num_pages = (kv_lens + ps - 1) // ps
+        first_slots = meta.kv_slots[:, ::ps].cpu()  # [B, pages] each page's first slot
+        pages = [first_slots[b, :n] // ps for b, n in enumerate(num_pages.tolist())]
+        visible = meta.visible()  # [B, Qmax, Lmax]
+        lens = zip(q_lens.tolist(), kv_lens.tolist(), strict=True)
+        masks = [visible[b, :q, :n].cpu() for b, (q, n) in enumerate(lens)]
+        int32 = torch.int32
+        zero = torch.zeros(1, dtype=int32)
+        planner.plan(
+            torch.cat([zero, q_lens.cumsum(0).to(int32)]),
+            torch.cat([zero, num_pages.cumsum(0).to(int32)]),
+            torch.cat(pages).to(int32),
+            (kv_lens - (num_pages - 1) * ps).to(int32),
+            pack_tree_mask(masks),
+        )
+        return planner.bind(cache, meta.slot_mapping)

@@ -2,14 +2,13 @@
 weights prepacked for oneDNN on the CPU.
 
 Why: a verify pass multiplies M = k + 1 rows per sequence by every weight. On the CPU, the
-default (MKL) product costs 2-3x more at 2 <= M <= 8 than at M = 1 although the weights are
-read once either way, while oneDNN's prepacked path stays nearly flat up to M = 16
-(`python -m bench.verify_cost`). A single row still goes to MKL, with W stored
-transposed ([I, O] in memory, W itself a view): MKL's one-row product over that layout ran
-the demo target's batch-1 forward 12% and the draft model's 24% faster than over [O, I]
-(and faster than the packed path). Fusing q|k|v and gate|up also halves the calls, each of
-which costs tens of microseconds at the demo's shapes. Training never uses these (the
-prepacked path has no backward).
+default (MKL) product costs several times more at 2 <= M <= 8 than at M = 1 although the
+weights are read once either way, while oneDNN's prepacked path stays nearly flat up to
+M = 16 (`python -m bench.verify_cost`). A single row still goes to MKL, with W stored
+transposed ([I, O] in memory, W itself a view): MKL's one-row product over that layout is
+faster than over [O, I] and than the packed path (figures: bench/results/NOTES.md). Fusing
+q|k|v and gate|up also halves the calls, each of which costs tens of microseconds at the
+demo's shapes. Training never uses these (the prepacked path has no backward).
 """
 
 from __future__ import annotations

@@ -3,62 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from engine.scheduler import Sequence
+from core.params import SamplingTensors
+from core.step import DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
 from models.attention import CausalAttention
-from stages.plan import DevicePlan, Plan
-from stages.sample import (
+from stages.sampling import (
     SALT_DRAFT,
-    SamplingTensors,
     add_logit_bias,
     draw,
     process_logits,
     uniform,
 )
-
-
-@dataclass
-class Drafts:
-    """What a drafter proposes for one step."""
-
-    tokens: torch.Tensor  # [B, k] int64 draft tokens (entries past num_drafts are ignored)
-    # [B, k, V] the processed q each draft was drawn from where sampled; None: point masses
-    probs: torch.Tensor | None = None
-    # A tree (None for a chain): k nodes, parents before children, -1 tokens never accepted.
-    # Node i is verified at position base + its depth and written at slot base + 1 + i.
-    parents: torch.Tensor | None = None  # [B, k] int64 parent node, -1: child of the root
-    ancestors: torch.Tensor | None = None  # [B, k, k] bool, node j is node i's ancestor or i
-    depth: int = 0  # bound on the nodes' depths (children of the root have depth 1)
-    depths: torch.Tensor | None = None  # [B, k] int64 each node's depth
-    positions: torch.Tensor | None = None  # [B, k + 1] verify positions: root, then nodes
-    mask: torch.Tensor | None = None  # [B, k + 1, Lmax] bool, the step's keys each row sees
-    siblings: int = 0  # a tree with sampled children (probs given): most children of a node
-
-
-@dataclass
-class TargetOutput:
-    """The target's verify forward."""
-
-    input_ids: torch.Tensor  # [T] tokens the target ran over
-    hidden: torch.Tensor  # [T, H] hidden states after the final norm
-    logits: torch.Tensor  # [B, W, V] logits at the verified positions (W = k + 1)
-
-
-@dataclass
-class Verdict:
-    """The sampler's decision for one step."""
-
-    tokens: torch.Tensor  # [B, W] emitted tokens, -1 past num_emitted
-    num_accepted: torch.Tensor  # [B] accepted draft tokens
-    num_emitted: torch.Tensor  # [B] tokens emitted (accepted + 1; 0 for a non-final chunk)
-    logprobs: torch.Tensor | None = None  # [B, W] logprob of each emitted token
-    top_ids: torch.Tensor | None = None  # [B, W, n] the top-n tokens at each position
-    top_logprobs: torch.Tensor | None = None  # [B, W, n]
-    path: torch.Tensor | None = None  # [B, depth] a tree's accepted nodes, -1 padded
 
 
 def choose_drafts(
@@ -112,42 +70,6 @@ def refill_columns(num_accepted: torch.Tensor, width: int) -> int:
     if num_accepted.device.type != "cpu":
         return width
     return min(width, int(num_accepted.max()) + 1)
-
-
-def tree_ancestors(parents: torch.Tensor, depth: int) -> torch.Tensor:
-    """[B, N, N] bool, node j is an ancestor of node i or i itself, for parents [B, N] (-1:
-    the root) of a tree no deeper than `depth`."""
-    n = parents.shape[1]
-    eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(parents.shape[0], n, n)
-    ancestors = eye
-    for _ in range(depth - 1):  # each round adds one more generation
-        above = ancestors.gather(1, parents.clamp(min=0)[..., None].expand(-1, -1, n))
-        ancestors = eye | (above & (parents >= 0)[..., None])
-    return ancestors
-
-
-def tree_drafts(dev: DevicePlan, tokens, parents, depths, depth: int, ancestors=None) -> Drafts:
-    """A tree's Drafts with what the target's verify forward needs, built on the device.
-
-    tokens, parents, depths: [B, N] (depths from 1); ancestors [B, N, N] when the caller
-    knows them (a fixed shape), else found from the parents. Verify row 0 is the root (the last
-    committed token, at position base), row 1 + i node i (position base + depth, slot
-    base + 1 + i). Every row sees the committed keys 0 .. base; a node also sees the nodes on
-    its own path, itself included: keys base + 1 + j for its ancestors j."""
-    if ancestors is None:
-        ancestors = tree_ancestors(parents, depth)  # [B, N, N]
-    b, n = tokens.shape
-    zero = torch.zeros_like(depths[:, :1])
-    positions = dev.base[:, None] + torch.cat([zero, depths], 1)  # [B, N + 1]
-    lmax = dev.target_meta.kv_slots.shape[1]
-    keys = torch.arange(lmax, device=tokens.device)
-    prefix = keys[None, :] <= dev.base[:, None]  # [B, Lmax]
-    node = keys[None, :] - dev.base[:, None] - 1  # [B, Lmax] node index of each key
-    in_tree = (node >= 0) & (node < n)
-    rows = torch.cat([torch.zeros_like(ancestors[:, :1]), ancestors], 1)  # [B, N + 1, N]
-    index = node.clamp(0, n - 1)[:, None, :].expand(b, n + 1, lmax)
-    mask = prefix[:, None, :] | (rows.gather(2, index) & in_tree[:, None, :])
-    return Drafts(tokens, None, parents, ancestors, depth, depths, positions, mask)
 
 
 def probe_head(head: Any, num_tokens: int) -> None:

@@ -9,20 +9,29 @@ from __future__ import annotations
 
 import torch
 
-from engine.scheduler import Sequence
+from core.attention import AttentionMetadata
+from core.step import DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
 from kv.cache import KVCache
-from models.attention import AttentionMetadata, CausalAttention, TorchPagedAttention
+from models.attention import Attention, AttentionBackend, CausalAttention
 from models.llama import LlamaModel
-from stages.draft import Drafts, TargetOutput, Verdict, draft_chain, refill_columns
-from stages.plan import DevicePlan, Plan, drafter_metadata
+from stages.draft import draft_chain, refill_columns
+from stages.plan import drafter_metadata
 
 
 class DraftModelDrafter:
     uses_hidden = False
 
-    def __init__(self, model: LlamaModel, cache: KVCache, max_rows: int, sampled: bool):
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: KVCache,
+        attention: AttentionBackend,
+        max_rows: int,
+        sampled: bool,
+    ):
         self.model = model
         self.cache = cache
+        self.attention = attention
         self.sampled = sampled
         vocab = model.config.vocab_size
         device = model.embed_tokens.weight.device
@@ -86,5 +95,5 @@ class DraftModelDrafter:
         hidden, _ = self.model(ids.flatten(), positions.flatten(), self._attention(small))
         return self.model.logits(hidden.view(e, m, -1)[:, -1])
 
-    def _attention(self, meta: AttentionMetadata) -> TorchPagedAttention:
-        return TorchPagedAttention(meta, self.cache, self.model.config.num_heads)
+    def _attention(self, meta: AttentionMetadata) -> Attention:
+        return self.attention(meta, self.cache, self.model.config.num_heads)

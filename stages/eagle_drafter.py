@@ -14,31 +14,31 @@ from __future__ import annotations
 
 import torch
 
-from engine.scheduler import Sequence
+from core.attention import AttentionMetadata
+from core.step import DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
 from kv.cache import KVCache
-from models.attention import AttentionMetadata, TorchPagedAttention
+from models.attention import Attention, AttentionBackend
 from models.eagle import EagleHead
-from stages.draft import (
-    Drafts,
-    TargetOutput,
-    Verdict,
-    draft_chain,
-    probe_head,
-    refill_columns,
-    tree_ancestors,
-    tree_drafts,
-)
-from stages.plan import DevicePlan, Plan, drafter_metadata
-from stages.refill import move_tree_path
-from stages.sample import SALT_CHILD, SamplingTensors, draw, process_logits, uniforms
+from stages.draft import draft_chain, probe_head, refill_columns
+from stages.plan import drafter_metadata
+from stages.sampling import SALT_CHILD, SamplingTensors, draw, process_logits, uniforms
+from stages.tree import move_tree_path, tree_ancestors, tree_drafts
 
 
 class EagleDrafter:
     uses_hidden = True
 
-    def __init__(self, head: EagleHead, cache: KVCache, max_rows: int, sampled: bool):
+    def __init__(
+        self,
+        head: EagleHead,
+        cache: KVCache,
+        attention: AttentionBackend,
+        max_rows: int,
+        sampled: bool,
+    ):
         self.head = head
         self.cache = cache  # one layer, indexed by the engine's page ids
+        self.attention = attention
         self.sampled = sampled
         weight = head.target.embed_tokens.weight
         h, vocab = weight.shape[1], head.target.config.vocab_size
@@ -130,8 +130,8 @@ class EagleDrafter:
         hidden = self.head(ids.flatten(), flat, positions.flatten(), self._attention(small))
         return hidden.view(e, m, -1)
 
-    def _attention(self, meta: AttentionMetadata) -> TorchPagedAttention:
-        return TorchPagedAttention(meta, self.cache, self.head.config.num_heads)
+    def _attention(self, meta: AttentionMetadata) -> Attention:
+        return self.attention(meta, self.cache, self.head.config.num_heads)
 
 
 class EagleTreeDrafter(EagleDrafter):
@@ -150,13 +150,14 @@ class EagleTreeDrafter(EagleDrafter):
         self,
         head: EagleHead,
         cache: KVCache,
+        attention: AttentionBackend,
         max_rows: int,
         shape: FixedTree | DynamicTree,
         target_cache: KVCache,
         scratch_start: int,
         sampled: bool = False,
     ):
-        super().__init__(head, cache, max_rows, sampled)
+        super().__init__(head, cache, attention, max_rows, sampled)
         self.shape = shape
         self.target_cache = target_cache
         self.scratch_start = scratch_start  # first scratch slot; row r owns S after r * S

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from core.step import DevicePlan
+
 
 @dataclass
 class StepLayout:
@@ -143,3 +145,31 @@ def insert_kernel(device: torch.device):
             return insert_torch
         return insert_triton
     return insert_torch
+
+
+def next_tokens(
+    dev: DevicePlan,
+    kernel: Any,  # insert_kernel(device)
+    accepted: torch.Tensor,  # [R] drafts accepted in each row's latest step
+    history: torch.Tensor,  # [R, Lh] each row's tokens
+    moves: bool,
+) -> torch.Tensor:
+    """[B] a decode step's input tokens, first thing on the device, after the moves the host
+    could not plan. Without `moves` (no sequence's previous step was still unknown to the
+    host when it planned) there is nothing to move and only the tokens are read."""
+    if not moves:
+        return history[dev.rows, dev.base]
+    b, width = dev.tail_slots.shape[0], dev.tail_slots.shape[1] - 1
+    meta = dev.target_meta
+    layout = StepLayout(
+        rows=dev.rows,
+        unknown=dev.unknown,
+        base=dev.base,
+        positions=dev.positions.view(b, width),
+        slots=meta.slot_mapping.view(b, width),
+        q_positions=meta.q_positions,
+        tail_slots=dev.tail_slots,
+        kv_slots=meta.kv_slots,
+        kv_lens=meta.kv_lens,
+    )
+    return kernel(layout, accepted, history)

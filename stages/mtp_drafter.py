@@ -16,27 +16,29 @@ from __future__ import annotations
 
 import torch
 
-from engine.scheduler import Sequence
+from core.attention import AttentionMetadata
+from core.step import DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
 from kv.cache import KVCache
-from models.attention import AttentionMetadata, TorchPagedAttention
+from models.attention import Attention, AttentionBackend
 from models.mtp import MTPHead
-from stages.draft import (
-    Drafts,
-    TargetOutput,
-    Verdict,
-    draft_chain,
-    probe_head,
-    refill_columns,
-)
-from stages.plan import DevicePlan, Plan, drafter_metadata
+from stages.draft import draft_chain, probe_head, refill_columns
+from stages.plan import drafter_metadata
 
 
 class MTPDrafter:
     uses_hidden = True
 
-    def __init__(self, head: MTPHead, cache: KVCache, max_rows: int, sampled: bool):
+    def __init__(
+        self,
+        head: MTPHead,
+        cache: KVCache,
+        attention: AttentionBackend,
+        max_rows: int,
+        sampled: bool,
+    ):
         self.head = head
         self.cache = cache
+        self.attention = attention
         self.sampled = sampled
         weight = head.eh_proj.weight
         size, vocab = head.config.hidden_size, head.config.vocab_size
@@ -122,5 +124,5 @@ class MTPDrafter:
         )
         return h.view(e, m, -1)
 
-    def _attention(self, meta: AttentionMetadata) -> TorchPagedAttention:
-        return TorchPagedAttention(meta, self.cache, self.head.config.num_heads)
+    def _attention(self, meta: AttentionMetadata) -> Attention:
+        return self.attention(meta, self.cache, self.head.config.num_heads)

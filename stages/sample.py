@@ -1,613 +1,133 @@
-"""Logits processing, sampling and the lossless acceptance rules: tensors in, tensors out.
-
-No shared random generator: every uniform is a hash of (request seed, absolute token position,
-purpose salt), so a request draws the same numbers whatever else is in the batch. The token
-emitted at position P always comes from `sample(p, seed, P, SALT_SAMPLE)`; with point-mass
-drafts (argmax, n-gram, a greedy or dynamic tree's children) the acceptance rule is realised
-through that very sample, so speculation then emits the same tokens as plain decoding with the
-same seed. Drafts drawn from the drafter's q (sampled chains and fixed trees) keep p's law but
-not those very tokens.
-
-A token's position is the index it takes in the request's sequence (prompt + output), so the
-first output token of a prompt of length L has position L.
-"""
+"""The sample stage: target logits and drafts in, a Verdict out (device work). The rules it
+applies (logits processing, the acceptance rules, keyed uniforms) are stages/sampling.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import fields
 from typing import Any
 
-import numpy as np
 import torch
-
-from core.params import SamplingParams
-from models.attention import cast
-
-SALT_SAMPLE = 0  # the token emitted at a position: plain decode, bonus, recovered, tree
-SALT_ACCEPT = 1  # the accept test of a sampled draft token
-SALT_DRAFT = 2  # for drafters that sample q; must stay apart from the two above
-# a sampled tree: its rank-r children drawn from q (the drafter), their accept tests (the sampler)
-SALT_CHILD = 1 << 16  # + r
-SALT_CHILD_ACCEPT = 1 << 17  # + r
-
-_MASK32 = 0xFFFFFFFF
-
-
-@dataclass
-class SamplingTensors:
-    """Per-row sampling parameters of a batch, on the device.
-
-    The flags are host-side summaries (no device sync to read them) that let callers skip
-    work; their defaults are the safe ones for tensors built by hand.
-    """
-
-    temperature: torch.Tensor  # [B] float32, 0 = greedy
-    top_k: torch.Tensor  # [B] int64, 0 = off
-    top_p: torch.Tensor  # [B] float32, 1 = off
-    min_p: torch.Tensor  # [B] float32, 0 = off
-    presence_penalty: torch.Tensor  # [B] float32
-    frequency_penalty: torch.Tensor  # [B] float32
-    repetition_penalty: torch.Tensor  # [B] float32, 1 = off
-    seeds: torch.Tensor  # [B] int64
-    logit_bias: torch.Tensor | None = None  # [B, V] float32 added to the logits; None: none
-    all_greedy: bool = False
-    any_greedy: bool = True
-    any_penalty: bool = True
-    any_top_k_or_p: bool = True  # among the sampled rows
-    any_min_p: bool = True  # among the sampled rows
-
-    @classmethod
-    def build(
-        cls,
-        params: list[SamplingParams],
-        seeds: list[int],
-        device: torch.device | str,
-        vocab_size: int | None = None,  # needed when a request brings a logit_bias
-    ) -> SamplingTensors:
-        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        f32 = torch.float32
-        sampled = [p for p in params if not p.greedy]
-        return cls(
-            temperature=column([0.0 if p.greedy else p.temperature for p in params], f32),
-            top_k=column([p.top_k for p in params], torch.int64),
-            top_p=column([p.top_p for p in params], f32),
-            min_p=column([p.min_p for p in params], f32),
-            presence_penalty=column([p.presence_penalty for p in params], f32),
-            frequency_penalty=column([p.frequency_penalty for p in params], f32),
-            repetition_penalty=column([p.repetition_penalty for p in params], f32),
-            # any Python int seed, wrapped into int64 (two's complement)
-            seeds=column([(s + 2**63) % 2**64 - 2**63 for s in seeds], torch.int64),
-            logit_bias=_bias_rows(params, vocab_size, device),
-            all_greedy=not sampled,
-            any_greedy=len(sampled) < len(params),
-            any_penalty=any(
-                p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
-                for p in params
-            ),
-            any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in sampled),
-            any_min_p=any(p.min_p > 0 for p in sampled),
-        )
-
-
-def _bias_rows(
-    params: list[SamplingParams], vocab_size: int | None, device: torch.device | str
-) -> torch.Tensor | None:
-    """[B, V] the requests' logit biases, dense; None when no request has one."""
-    if not any(p.logit_bias for p in params):
-        return None
-    if vocab_size is None:
-        raise ValueError("a logit_bias needs the vocabulary size")
-    bias = torch.zeros(len(params), vocab_size, dtype=torch.float32)
-    for row, p in enumerate(params):
-        for token_id, value in p.logit_bias:
-            if not 0 <= token_id < vocab_size:
-                raise ValueError(f"logit_bias token id {token_id} is outside the vocabulary")
-            bias[row, token_id] = value
-    return bias.to(device)
-
-
-def add_logit_bias(logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """logits [B, ..., V] plus each row's bias [B, V'] over the first min(V, V') ids (a drafter's
-    vocabulary may be padded, or be the target's prefix)."""
-    if bias is None:
-        return logits
-    width = min(logits.shape[-1], bias.shape[-1])
-    row = bias[:, :width].view(bias.shape[0], *[1] * (logits.dim() - 2), width)
-    head = logits[..., :width] + row.to(logits.dtype)
-    return head if width == logits.shape[-1] else torch.cat([head, logits[..., width:]], -1)
-
-
-@dataclass
-class PenaltyState:
-    """What the penalties count, per row: token counts of the output so far and which tokens
-    the prompt holds."""
-
-    output_counts: torch.Tensor  # [B, V] float32 (whole numbers)
-    prompt_mask: torch.Tensor  # [B, V] bool
-
-    @classmethod
-    def build(
-        cls,
-        prompts: list[list[int]],
-        outputs: list[list[int]],
-        vocab_size: int,
-        device: torch.device | str,
-    ) -> PenaltyState:
-        def rows_and_ids(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-            rows = [i for i, ids in enumerate(seqs) for _ in ids]
-            flat = [t for ids in seqs for t in ids]
-            as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)
-            return as_tensor(rows), as_tensor(flat)
-
-        shape = (len(prompts), vocab_size)
-        counts = torch.zeros(shape, dtype=torch.float32, device=device)
-        rows, ids = rows_and_ids(outputs)
-        counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
-        prompt_mask = torch.zeros(shape, dtype=torch.bool, device=device)
-        rows, ids = rows_and_ids(prompts)
-        prompt_mask[rows, ids] = True
-        return cls(counts, prompt_mask)
-
-
-# ---- random numbers: murmur3 over 32-bit words ----
-# On a device, the words are held in int64 tensors and never overflow; on the CPU, in numpy
-# uint32 arrays, whose arithmetic wraps as murmur3's does: the same bits at a third of the cost
-# of torch's small operations. A step at a small batch hashes a handful of positions, where
-# even numpy's per-call cost dominates (a few dozen calls, each slow right after a forward has
-# emptied the caches): up to PYTHON_HASH_MAX uniforms, Python's own ints hash them one by one.
-# `Words` is any of the three.
-Words = Any
-HOST_HASH_DEVICES = frozenset({"cpu"})  # device types whose uniforms the host hashes
-PYTHON_HASH_MAX = 32
-
-
-def _mul32(x: Words, c: int) -> Words:
-    if isinstance(x, int):
-        return x * c & _MASK32
-    if isinstance(x, np.ndarray):
-        return x * np.uint32(c)
-    # x * c mod 2^32 with c split in 16-bit halves: every product stays below 2^49
-    low = x * (c & 0xFFFF)
-    high = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (low + high) & _MASK32
-
-
-def _rotl32(x: Words, r: int) -> Words:
-    return ((x << r) & _MASK32) | (x >> (32 - r))
-
-
-def _mix(h: Words, k: Words) -> Words:
-    """One 32-bit word k into the murmur3 state h."""
-    k = _mul32(_rotl32(_mul32(k, 0xCC9E2D51), 15), 0x1B873593)
-    return (_rotl32(h ^ k, 13) * 5 + 0xE6546B64) & _MASK32
-
-
-def _finish(h: Words, num_words: int) -> Words:
-    h = h ^ (4 * num_words)
-    h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
-    h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def _words(x: Words) -> tuple[Words, Words]:
-    """The low and high 32-bit halves of int64 values (as uint32 for a numpy array)."""
-    low, high = x & _MASK32, (x >> 32) & _MASK32
-    if isinstance(x, np.ndarray):
-        return low.astype(np.uint32), high.astype(np.uint32)
-    return low, high
-
-
-# (salt, on the host) -> (seeds, the hash state after their words): the last seeds tensor seen
-# per salt, which a batch passes step after step (its SamplingTensors are reused), so that each
-# step hashes only the positions' words. Held by reference: an identical object, same seeds.
-_seed_states: dict[tuple[int, bool], tuple[torch.Tensor, Words]] = {}
-
-
-def _seed_state(seeds: torch.Tensor, salt: int, host: bool) -> Words:
-    cached = _seed_states.get((salt, host))
-    if cached is not None and cached[0] is seeds:
-        return cached[1]
-    h: Words = np.full(seeds.shape, salt, np.uint32) if host else torch.full_like(seeds, salt)
-    for word in _words(seeds.numpy() if host else seeds):
-        h = _mix(h, word)
-    _seed_states[(salt, host)] = (seeds, h)
-    return h
-
-
-def uniform(seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Tensor:
-    """Uniforms in the open interval (0, 1), float64, one per element of `positions`.
-
-    seeds: [B] int64; positions: [B] or [B, S] int64; salt in [0, 2^32). A pure function of
-    (seed, position, salt): (h + 1/2) / 2^32 for h the murmur3 hash (x86, 32-bit) of the four
-    32-bit halves of seed and position, keyed by the salt. 32 bits put every probability
-    within 2^-32 of its exact value, far below float32 rounding of the probabilities themselves.
-    Each call is several dozen small tensor operations whatever its size: callers draw a
-    step's uniforms in as few calls as they can.
-    """
-    return uniforms(seeds, positions, (salt,))[0]
-
-
-def uniforms(seeds: torch.Tensor, positions: torch.Tensor, salts: tuple[int, ...]) -> torch.Tensor:
-    """[len(salts), *positions.shape]: `uniform` for several salts in one call."""
-    host = positions.device.type in HOST_HASH_DEVICES
-    seeds, positions = seeds.long(), positions.long()
-    states = [_seed_state(seeds, salt, host) for salt in salts]
-    if host and positions.numel() * len(salts) <= PYTHON_HASH_MAX:
-        return _python_uniforms(states, positions)
-    h = np.stack(states) if host else torch.stack(states)  # [S, B]
-    h = h.reshape(*h.shape, *([1] * (positions.dim() - 1)))  # broadcast over the positions
-    for word in _words(positions.numpy() if host else positions):
-        h = _mix(h, word)
-    h = _finish(h, 4)
-    return torch.from_numpy((h + 0.5) * 2.0**-32) if host else (h.double() + 0.5) * 2.0**-32
-
-
-def _python_uniforms(states: list[Words], positions: torch.Tensor) -> torch.Tensor:
-    """`uniforms` with Python ints: states [S] of [B] hash states after the seeds' words."""
-    per_row = positions[0].numel() if len(positions) else 0
-    flat = positions.flatten().tolist()
-
-    def one(h: int, position: int) -> float:
-        for word in _words(position):
-            h = _mix(h, word)
-        return (_finish(h, 4) + 0.5) * 2.0**-32
-
-    values = []
-    for state in states:
-        row_states = state.tolist()
-        values.append([one(row_states[i // per_row], p) for i, p in enumerate(flat)])
-    return torch.tensor(values, dtype=torch.float64).view(len(states), *positions.shape)
-
-
-# ---- logits processing ----
-
-
-def process_logits(
-    logits: torch.Tensor,
-    st: SamplingTensors,
-    penalties: PenaltyState | None = None,
-    draft_tokens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Target (or drafter) logits -> the distributions the acceptance rules compare.
-
-    logits: [B, S, V]; draft_tokens: [B, S-1] int64, the tokens before positions 1..S-1
-    (-1 for padding). Returns probabilities [B, S, V] (float32, or float64 for float64
-    logits) after, in this order: penalties (position j counts the output so far plus draft
-    tokens 0..j-1, so that verifying k drafts sees what k plain steps would see), logit bias,
-    temperature, top-k (ties with the k-th kept), top-p, min-p. Greedy rows are one-hot at the
-    argmax of the penalised, biased logits.
-    """
-    logits = cast(logits, torch.promote_types(logits.dtype, torch.float32))
-    if penalties is not None and st.any_penalty:
-        logits = _apply_penalties(logits, st, penalties, draft_tokens)
-    logits = add_logit_bias(logits, st.logit_bias)
-    vocab = logits.shape[-1]
-    if st.all_greedy:
-        return _one_hot(logits.argmax(-1), vocab, logits.dtype)
-    temperature = st.temperature
-    if st.any_greedy:
-        greedy = temperature == 0  # [B]
-        greedy_probs = _one_hot(logits.argmax(-1), vocab, logits.dtype)
-        temperature = torch.where(greedy, 1.0, temperature)
-    logits = logits / temperature[:, None, None]
-    if st.any_top_k_or_p:
-        logits = _top_k_top_p(logits, st.top_k, st.top_p)
-    probs = logits.softmax(-1)
-    if st.any_min_p:
-        probs = _min_p(probs, st.min_p)
-    if st.any_greedy:
-        probs = torch.where(greedy[:, None, None], greedy_probs, probs)
-    return probs
-
-
-def _one_hot(tokens: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
-    """[..., V] one-hot of int64 tokens [...] (F.one_hot would build it in int64)."""
-    out = torch.zeros(*tokens.shape, vocab, dtype=dtype, device=tokens.device)
-    return out.scatter_(-1, tokens[..., None], 1.0)
-
-
-def _apply_penalties(
-    logits: torch.Tensor,  # [B, S, V]
-    st: SamplingTensors,
-    penalties: PenaltyState,
-    draft_tokens: torch.Tensor | None,  # [B, S-1]
-) -> torch.Tensor:
-    """vLLM's rules: repetition on prompt + output tokens (divide positive logits, multiply
-    negative ones), then frequency and presence on output tokens."""
-    batch, steps, vocab = logits.shape
-    counts = penalties.output_counts[:, None, :].expand(batch, steps, vocab)
-    if steps > 1:
-        if draft_tokens is None:
-            raise ValueError("penalties over several positions need the draft tokens")
-        counts = counts + _prefix_counts(draft_tokens, steps, vocab)
-    in_output = counts > 0
-    seen = in_output | penalties.prompt_mask[:, None, :]
-    rep = st.repetition_penalty[:, None, None]
-    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    logits = logits - st.frequency_penalty[:, None, None] * counts
-    return logits - st.presence_penalty[:, None, None] * in_output
-
-
-def _prefix_counts(draft_tokens: torch.Tensor, steps: int, vocab: int) -> torch.Tensor:
-    """[B, S, V]: how often each token occurs among draft tokens 0..j-1, for position j."""
-    batch = draft_tokens.shape[0]
-    valid = (draft_tokens >= 0).float()[..., None]  # [B, S-1, 1]
-    step_counts = torch.zeros(batch, steps, vocab, device=draft_tokens.device)
-    # draft token j precedes position j+1
-    step_counts[:, 1:].scatter_(2, draft_tokens.clamp(min=0)[..., None], valid)
-    return step_counts.cumsum(1)
-
-
-def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask to -inf what top-k, then top-p (the smallest prefix of mass >= top_p), remove.
-
-    One stable sort serves both; rows with top_k = 0 and top_p = 1 are left whole."""
-    batch, steps, vocab = logits.shape
-    ordered, order = logits.sort(dim=-1, descending=True, stable=True)
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # [B]
-    kth = ordered.gather(-1, (k - 1).view(batch, 1, 1).expand(batch, steps, 1))
-    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
-    probs = ordered.softmax(-1)
-    mass_before = probs.cumsum(-1) - probs  # the first token always has 0 before it
-    # top_p = 1 must keep the tail whatever cumsum's rounding does
-    limit = torch.where(top_p < 1, top_p, float("inf"))[:, None, None]
-    ordered = ordered.masked_fill(mass_before >= limit, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, ordered)
-
-
-def _min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens below min_p times the most likely token's probability; renormalise."""
-    floor = min_p[:, None, None] * probs.amax(-1, keepdim=True)
-    probs = probs.masked_fill(probs < floor, 0.0)
-    return probs / probs.sum(-1, keepdim=True)
-
-
-# ---- sampling ----
-
-
-def sample(
-    probs: torch.Tensor,  # [B, V], need not sum to 1
-    seeds: torch.Tensor,  # [B] int64
-    positions: torch.Tensor,  # [B] int64, absolute position of the token drawn
-    salt: int = SALT_SAMPLE,
-    greedy: bool = False,
-) -> torch.Tensor:
-    """[B] int64: one draw per row by inverse CDF, the first index whose cdf exceeds u * total.
-
-    Only tokens with positive probability can come out: u * total is kept below the total, and
-    if cumsum's rounding still lands on a zero-probability token the row takes its argmax.
-    `greedy` says every row has a single positive entry (an all-greedy batch): the draw is then
-    that entry, found without the uniforms and the cumsum."""
-    if greedy:
-        return probs.argmax(-1)
-    return draw(probs, uniform(seeds, positions, salt))
-
-
-def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """`sample` with its uniforms u [B] drawn already (a caller drawing a step's at once)."""
-    vocab = probs.shape[-1]
-    cdf = probs.cumsum(-1)
-    total = cdf[:, -1:]
-    u = u.to(cdf.dtype)[:, None]
-    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=vocab - 1)
-    drawn = probs.gather(1, tokens[:, None]).squeeze(1) > 0
-    return torch.where(drawn, tokens, probs.argmax(-1))
-
-
-def chain_verify(
-    target_probs: torch.Tensor,  # [B, k+1, V] processed target distributions
-    draft_tokens: torch.Tensor,  # [B, k] int64
-    draft_probs: torch.Tensor | None,  # [B, k, V] processed q; None: point-mass drafts
-    num_drafts: torch.Tensor,  # [B] int64, k_r <= k; draft positions past k_r are ignored
-    seeds: torch.Tensor,  # [B] int64
-    positions: torch.Tensor,  # [B] int64, absolute position of the first token emitted
-    greedy: bool = False,  # every row of target_probs is one-hot (see `sample`)
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chain acceptance rule. Returns (tokens [B, k+1] int64, -1 padded; num_accepted [B]).
-
-    Row r emits num_accepted + 1 tokens: the accepted drafts, then the recovered token (first
-    rejection) or the bonus token (all k_r accepted, drawn from p at position k_r).
-
-    Sampled drafts: accept x with probability min(1, p(x)/q(x)), recover from
-    norm(max(0, p - q)). Point-mass drafts: accept x with probability p(x), else emit a draw
-    of p with p(x) set to 0; realised by drawing t from p and accepting x iff t == x (t is
-    then the emitted token), which has exactly that law. Greedy rows (one-hot p) accept
-    while x is the argmax, under either rule.
-    """
-    batch, width, vocab = target_probs.shape
-    k = width - 1
-    steps = torch.arange(width, device=target_probs.device)
-    in_draft = steps[:k] < num_drafts[:, None]  # [B, k]
-    drafts = draft_tokens.clamp(min=0)
-    if draft_probs is None or k == 0:
-        flat = target_probs.reshape(-1, vocab)
-        if greedy:
-            drawn = flat.argmax(-1).view(batch, width)
+import torch.nn.functional as F
+
+from core.params import SamplingTensors
+from core.step import DevicePlan, Drafts, Plan, TargetOutput, Verdict
+from stages.history import TokenHistory
+from stages.sampling import (
+    PenaltyState,
+    chain_verify,
+    logprobs,
+    process_logits,
+    sample,
+    tree_verify,
+)
+
+
+class SampleStage:
+    def __init__(self, history: TokenHistory, vocab_size: int):
+        self.history = history
+        self.vocab_size = vocab_size
+
+    def __call__(self, plan: Plan, dev: DevicePlan, out: TargetOutput, drafts: Drafts) -> Verdict:
+        st = plan.sampling
+        first = dev.base + 1  # position of the first token this step emits
+        penalties = self._penalties(dev, first) if st.any_penalty else None
+        if plan.k and drafts.parents is not None:
+            return self._tree(plan, dev, out, drafts, penalties)
+        draft_tokens = drafts.tokens if plan.k else None
+        probs = process_logits(out.logits, st, penalties, draft_tokens)  # [B, W, V]
+        if plan.k:
+            tokens, accepted = chain_verify(
+                probs, drafts.tokens, drafts.probs, dev.num_drafts, st.seeds, first, st.all_greedy
+            )
         else:
-            u = uniform(seeds, positions[:, None] + steps, SALT_SAMPLE)  # [B, W]
-            drawn = draw(flat, u.flatten()).view(batch, width)
-        num_accepted = _run_length((drawn[:, :k] == drafts) & in_draft)
-        return torch.where(steps <= num_accepted[:, None], drawn, -1), num_accepted
+            tokens = sample(probs[:, 0], st.seeds, first, greedy=st.all_greedy)[:, None]
+            accepted = torch.zeros_like(first)
+        emitted = torch.where(dev.emits, accepted + 1, 0)
+        verdict = Verdict(tokens, accepted, emitted)
+        if plan.top_logprobs is not None:
+            self._logprobs(verdict, out.logits, plan.top_logprobs)
+        return verdict
 
-    p_x = target_probs[:, :k].gather(2, drafts[..., None]).squeeze(2)  # [B, k]
-    q_x = draft_probs.gather(2, drafts[..., None]).squeeze(2)  # [B, k]
-    # the accept tests' uniforms and those of the token emitted at each position, at once
-    u, u_emit = uniforms(seeds, positions[:, None] + steps, (SALT_ACCEPT, SALT_SAMPLE))
-    num_accepted = _run_length((u[:, :k] * q_x < p_x) & in_draft)  # u < p/q, never if p(x) = 0
-
-    rows = torch.arange(batch, device=target_probs.device)
-    p = target_probs[rows, num_accepted]  # [B, V]
-    rejected = (num_accepted < num_drafts)[:, None]
-    q = draft_probs[rows, num_accepted.clamp(max=k - 1)] * rejected
-    residual = (p - q).clamp(min=0)
-    # p == q leaves no residual; a rejection then has probability 0 up to rounding
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-    if greedy:
-        last = residual.argmax(-1)
-    else:
-        last = draw(residual, u_emit.gather(1, num_accepted[:, None]).squeeze(1))
-    tokens = torch.cat([drafts, last[:, None]], 1)
-    tokens = torch.where(steps < num_accepted[:, None], tokens, -1)
-    return tokens.scatter(1, num_accepted[:, None], last[:, None]), num_accepted
-
-
-def _run_length(accepted: torch.Tensor) -> torch.Tensor:
-    """[B, k] bool -> [B] int64: how many leading positions are True."""
-    return accepted.long().cumprod(1).sum(1)
-
-
-def tree_verify(
-    target_probs: torch.Tensor,  # [B, N+1, V]: row 0 the root (last token), row i+1 node i
-    node_tokens: torch.Tensor,  # [B, N] int64 (-1: padding, never accepted)
-    parents: torch.Tensor,  # [B, N] int64, parent node index, -1: child of the root
-    seeds: torch.Tensor,  # [B] int64
-    positions: torch.Tensor,  # [B] int64, absolute position of the first token emitted
-    depth: int | None = None,  # a bound on the tree's depth, known to the caller (no sync)
-    greedy: bool = False,  # every row of target_probs is one-hot (see `sample`)
-    node_depths: torch.Tensor | None = None,  # [B, N] from 1, when the caller knows them
-    draft_probs: torch.Tensor | None = None,  # [B, N, V] the q each node was drawn from
-    siblings: int = 0,  # with draft_probs: a bound on any node's children
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The tree acceptance rule. Returns (tokens [B, depth+1] int64 -1 padded, num_accepted
-    [B], path [B, depth] accepted node indices -1 padded), depth being the tree's or the bound
-    given.
-
-    Children as point masses (draft_probs None, or greedy): from the root, the children of the
-    current node are tried in index order, child c accepted with probability p(c), p(c) := 0
-    and renormalised after each rejection; if none is accepted a draw of the remaining p is
-    emitted. Drawing t from p and accepting the first child whose token is t has exactly that
-    law, and emits what plain decoding with the same seed would. The draw at a node depends
-    only on its row and its depth (the uniform of the position it emits at), so every row
-    draws at once and the walk then only compares tokens.
-
-    Children drawn independently from the drafter's q: `_sampled_tree_walk`.
-    """
-    if node_depths is None:
-        node_depths = _node_depths(parents)
-    if depth is None:
-        depth = int(node_depths.max()) if node_depths.numel() else 0
-    if draft_probs is not None and not greedy:
-        return _sampled_tree_walk(
-            target_probs, node_tokens, parents, draft_probs, seeds, positions, depth, siblings
+    def _tree(
+        self,
+        plan: Plan,
+        dev: DevicePlan,
+        out: TargetOutput,
+        drafts: Drafts,
+        penalties: PenaltyState | None,
+    ) -> Verdict:
+        """The tree rule; tokens padded to [B, W] like a chain's."""
+        st = plan.sampling
+        probs = _tree_probs(out.logits, st, penalties, drafts)
+        assert drafts.parents is not None
+        first = dev.base + 1
+        tokens, accepted, path = tree_verify(
+            probs,
+            drafts.tokens,
+            drafts.parents,
+            st.seeds,
+            first,
+            depth=drafts.depth,
+            greedy=st.all_greedy,
+            node_depths=drafts.depths,
+            draft_probs=drafts.probs,
+            siblings=drafts.siblings,
         )
-    if greedy:
-        drawn = target_probs.argmax(-1)  # [B, N+1]
-    else:
-        batch, rows, vocab = target_probs.shape
-        levels = torch.arange(depth + 1, device=positions.device)
-        u = uniform(seeds, positions[:, None] + levels, SALT_SAMPLE)  # [B, depth + 1]
-        row_levels = torch.cat([torch.zeros_like(node_depths[:, :1]), node_depths], 1)
-        u_rows = u.gather(1, row_levels)
-        drawn = draw(target_probs.reshape(-1, vocab), u_rows.flatten()).view(batch, rows)
-    return _walk_tree(drawn, node_tokens, parents, depth)
+        b, w, v = out.logits.shape
+        tokens = F.pad(tokens, (0, w - tokens.shape[1]), value=-1)
+        emitted = torch.where(dev.emits, accepted + 1, 0)
+        verdict = Verdict(tokens, accepted, emitted, path=path)
+        if plan.top_logprobs is not None:
+            # emitted token j was drawn from the row of the path's node j - 1 (the root's: 0)
+            rows = torch.zeros_like(tokens)
+            rows[:, 1 : path.shape[1] + 1] = 1 + path.clamp(min=0)
+            logits = out.logits.gather(1, rows[..., None].expand(b, w, v))
+            self._logprobs(verdict, logits, plan.top_logprobs)
+        return verdict
+
+    def _penalties(self, dev: DevicePlan, first: torch.Tensor) -> PenaltyState:
+        counts = self.history.counts(dev.rows, dev.prompt_lens, first, self.vocab_size)
+        zeros = torch.zeros_like(dev.prompt_lens)
+        in_prompt = self.history.counts(dev.rows, zeros, dev.prompt_lens, self.vocab_size) > 0
+        return PenaltyState(counts, in_prompt)
+
+    @staticmethod
+    def _logprobs(verdict: Verdict, logits: torch.Tensor, n: int) -> None:
+        b, w, v = logits.shape
+        chosen, top_ids, top = logprobs(
+            logits.reshape(b * w, v), verdict.tokens.clamp(min=0).flatten(), n
+        )
+        verdict.logprobs = chosen.view(b, w)
+        verdict.top_ids = top_ids.view(b, w, n)
+        verdict.top_logprobs = top.view(b, w, n)
 
 
-def _sampled_tree_walk(
-    target_probs: torch.Tensor,  # [B, N+1, V]
-    node_tokens: torch.Tensor,  # [B, N]
-    parents: torch.Tensor,  # [B, N]
-    draft_probs: torch.Tensor,  # [B, N, V] q of each node (its siblings share it)
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
-    depth: int,
-    siblings: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """tree_verify for children drawn independently from q (SpecInfer's multi-draft rule): at
-    the current node its children are tested in index order, child x accepted with probability
-    min(1, p(x) / q(x)) and p := norm(max(0, p - q)) after each rejection; if none is accepted
-    a draw of the remaining p is emitted. Each level's emitted token then follows p whatever
-    q is, as with one sampled draft (the chain's rule is this with one child a node)."""
-    batch, _, vocab = target_probs.shape
-    siblings = max(siblings, 1)
-    rows = torch.arange(batch, device=positions.device)
-    nodes = torch.arange(node_tokens.shape[1], device=positions.device)
-    levels = torch.arange(depth, device=positions.device)
-    salts = tuple(SALT_CHILD_ACCEPT + r for r in range(siblings))
-    u = uniforms(seeds, positions[:, None] + levels, salts).permute(1, 2, 0)  # [B, D, S]
-    current = torch.full_like(positions, -1)  # node index, -1: the root
-    walking = torch.ones_like(positions, dtype=torch.bool)
-    steps, kept, remaining = [], [], []
-    for level in range(depth):  # the nodes at `depth` have no children: nothing to test
-        p = target_probs[rows, current + 1]  # [B, V]
-        child = (parents == current[:, None]) & (node_tokens >= 0)  # [B, N]
-        order = torch.where(child, nodes, nodes + nodes.numel()).argsort(1)[:, :siblings]
-        valid = child.gather(1, order)  # [B, S] the children, in index order, then padding
-        x = node_tokens.gather(1, order).clamp(min=0)  # [B, S]
-        q = draft_probs[rows, order[:, 0]]  # [B, V]
-        residuals = [p]  # p after 0, 1, .. rejections
-        for _ in range(siblings):
-            left = (residuals[-1] - q).clamp(min=0)
-            total = left.sum(-1, keepdim=True)
-            # p == q leaves no residual; a rejection then has probability 0 up to rounding
-            residuals.append(torch.where(total > 0, left / total, residuals[-1]))
-        stacked = torch.stack(residuals, 1)  # [B, S + 1, V]
-        p_x = stacked[:, :siblings].gather(2, x[..., None]).squeeze(2)  # [B, S]
-        passed = valid & (u[:, level] * q.gather(1, x) < p_x)  # never if p(x) = 0
-        first = passed.int().argmax(1)  # the first child that passes
-        accepted = walking & passed.any(1)
-        remaining.append(stacked[rows, valid.sum(1)])  # what a stop here draws from
-        node = order[rows, first]
-        steps.append(torch.where(accepted, node, -1))
-        kept.append(torch.where(accepted, x[rows, first], -1))
-        current = torch.where(accepted, node, current)
-        walking = accepted
-    remaining.append(target_probs[rows, current + 1])  # a walk through every level
-    path = torch.stack(steps, 1) if depth else parents[:, :0]  # [B, depth]
-    num_accepted = (path >= 0).sum(1)
-    stop = torch.stack(remaining, 1)[rows, num_accepted]  # [B, V]
-    last = draw(stop, uniform(seeds, positions + num_accepted, SALT_SAMPLE))
-    # [B, depth + 1]: the accepted tokens, -1 from the stop on
-    tokens = torch.stack([*kept, torch.full_like(positions, -1)], 1)
-    return tokens.scatter(1, num_accepted[:, None], last[:, None]), num_accepted, path
+def _tree_probs(
+    logits: torch.Tensor,  # [B, N + 1, V] root row, then a row per node
+    st: SamplingTensors,
+    penalties: PenaltyState | None,
+    drafts: Drafts,
+) -> torch.Tensor:
+    """[B, N + 1, V] processed target distributions; with penalties, a node's row counts the
+    tokens on its own path (its ancestors and itself), as plain decoding would."""
+    if penalties is None:
+        return process_logits(logits, st)
+    assert drafts.ancestors is not None
+    b, w, v = logits.shape
+    tokens = drafts.tokens  # [B, N]
+    hits = torch.zeros(b, w - 1, v, device=logits.device)
+    hits.scatter_(2, tokens.clamp(min=0)[..., None], (tokens >= 0).float()[..., None])
+    on_path = drafts.ancestors.float() @ hits  # [B, N, V]
+    counts = penalties.output_counts[:, None] + F.pad(on_path, (0, 0, 1, 0))  # [B, W, V]
+    rows = PenaltyState(counts.view(b * w, v), penalties.prompt_mask.repeat_interleave(w, 0))
+    return process_logits(logits.view(b * w, 1, v), _repeat_rows(st, w), rows).view(b, w, v)
 
 
-def _walk_tree(
-    drawn: torch.Tensor,  # [B, N+1] the token each verify row draws
-    node_tokens: torch.Tensor,  # [B, N]
-    parents: torch.Tensor,  # [B, N]
-    depth: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """tree_verify once every row has drawn: a node matches when its token is its parent's
-    draw, and once a level finds no matching child of the current node no later level does."""
-    matches = node_tokens == drawn.gather(1, parents + 1)  # [B, N]
-    current = torch.full_like(parents[:, 0], -1)  # node index, -1: the root
-    steps = []
-    for _ in range(depth):
-        hit = (parents == current[:, None]) & matches
-        found = hit.any(1)
-        current = torch.where(found, hit.int().argmax(1), current)  # the first hit
-        steps.append(torch.where(found, current, -1))
-    path = torch.stack(steps, 1) if steps else parents[:, :0]  # [B, depth]
-    accepted = (path >= 0).sum(1)
-    rows = torch.cat([torch.zeros_like(path[:, :1]), path + 1], 1)  # root, path (-1 -> root)
-    tokens = drawn.gather(1, rows)
-    positions = torch.arange(depth + 1, device=path.device)
-    return torch.where(positions <= accepted[:, None], tokens, -1), accepted, path
-
-
-def _node_depths(parents: torch.Tensor) -> torch.Tensor:
-    """[B, N] each node's depth (children of the root have depth 1)."""
-    depths = torch.ones_like(parents)
-    for _ in range(parents.shape[1]):  # a forest of n nodes settles after n rounds
-        above = depths.gather(1, parents.clamp(min=0))
-        depths = torch.where(parents >= 0, above + 1, 1)
-    return depths
-
-
-def logprobs(
-    logits: torch.Tensor,  # [B, V] raw model logits
-    tokens: torch.Tensor,  # [B] int64, the tokens emitted
-    n: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Log-probabilities under the raw model distribution (log_softmax of the unprocessed
-    logits: no penalties, temperature or truncation), as OpenAI reports them.
-
-    Returns (chosen [B] float32, top_ids [B, n] int64, top_logprobs [B, n] float32), best
-    first."""
-    log_probs = torch.log_softmax(logits.float(), -1)
-    chosen = log_probs.gather(1, tokens[:, None]).squeeze(1)
-    top_logprobs, top_ids = log_probs.topk(n, dim=-1)
-    return chosen, top_ids, top_logprobs
+def _repeat_rows(st: SamplingTensors, n: int) -> SamplingTensors:
+    """Each row's parameters repeated n times in place (row r becomes rows r * n .. r * n + n-1)."""
+    values = {f.name: getattr(st, f.name) for f in fields(st)}
+    repeated: dict[str, Any] = {
+        name: v.repeat_interleave(n, 0) if isinstance(v, torch.Tensor) else v
+        for name, v in values.items()
+    }
+    return SamplingTensors(**repeated)

@@ -29,3 +29,28 @@ def tiny_draft(tmp_path_factory):
     from tests.tiny import write_model
 
     return write_model(tmp_path_factory.mktemp("draft"), layers=1, hidden=32, seed=1)
+
+
+@pytest.fixture(scope="session")
+def ragged16():
+    """16 ragged prompts over the tiny target's vocabulary (the greedy-equality tests')."""
+    from tests.engine_util import ragged_prompts
+
+    return ragged_prompts(16, 300, seed=11)
+
+
+@pytest.fixture(scope="session")
+def plain16(tiny_target, ragged16):
+    """The tiny target's plain greedy output (24 tokens) for `ragged16`, staggered."""
+    import asyncio
+
+    from engine.request import SamplingParams
+    from tests.engine_util import make_config, running, staggered
+
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    async def plain():
+        async with running(make_config(tiny_target)) as engine:
+            return await staggered(engine, ragged16, greedy)
+
+    return asyncio.run(plain())

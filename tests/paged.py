@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from kv.cache import KVCache
+from kv.pages import PageAllocator
 from kv.table import PageTable, build_csr
 from models.attention import TorchPagedAttention, paged_metadata
 from models.llama import LlamaModel
@@ -54,3 +57,12 @@ class PagedRunner:
             hidden, _ = self.model(ids, ints(positions), attn)
             logits = self.model.logits(hidden)  # [T, vocab]
         return list(logits.split([len(c) for c in chunks]))
+
+
+def shuffled_allocator(num_pages: int, seed: int) -> PageAllocator:
+    """An allocator whose free list is in a random order (pages come out non-contiguous)."""
+    allocator = PageAllocator(num_pages)
+    pages = allocator.alloc(num_pages)
+    random.Random(seed).shuffle(pages)
+    allocator.free(pages)
+    return allocator

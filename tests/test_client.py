@@ -8,7 +8,7 @@ import time
 import pytest
 
 from client import TandemClient, TandemError, TandemTimeout
-from tests.test_server import FakeEngine, served, spy_on_abort
+from tests.fakes import FakeEngine, served, spy_on_abort
 
 
 async def test_streams_completions_and_chat() -> None:

@@ -9,9 +9,8 @@ import time
 
 import pytest
 
+from core.request import PRIOR_RATE, AcceptanceRate
 from engine.cost import (
-    PRIOR_RATE,
-    AcceptanceRate,
     Calibration,
     CostModel,
     Curve,

@@ -10,8 +10,8 @@ import pytest
 import torch
 import transformers
 
+from engine.builder import DEMO_DIR
 from engine.config import EngineConfig, KVConfig, SpecConfig
-from engine.engine import DEMO_DIR
 from engine.request import SamplingParams
 from engine.trace import Tracer
 from models.loader import load_model

@@ -17,19 +17,9 @@ from models.eagle import EagleHead, load_eagle_head, save_eagle_head
 from models.llama import LlamaConfig, LlamaModel
 from models.loader import CheckpointError, config_to_hf, load_model, read_safetensors
 from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
+from tests.tiny import random_eagle_head
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-
-
-def random_head(target: LlamaModel, norms: bool, seed: int = 3, scale: float = 0.5) -> EagleHead:
-    """A head of the target's shapes with large random weights (wide top-2 logit gaps)."""
-    head = EagleHead(target.config, target, norms=norms, fc_bias=not norms)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if "norm" not in name:
-                p.copy_(torch.randn(p.shape, generator=generator) * scale / p.shape[-1] ** 0.5)
-    return head.eval().requires_grad_(False)
 
 
 def safeailab_dir(directory, head: EagleHead, binary: bool):
@@ -61,7 +51,7 @@ def target(tiny_target):
 @pytest.fixture(scope="module", params=[False, True], ids=["eagle1", "normed"])
 def head_dir(request, target, tmp_path_factory):
     directory = tmp_path_factory.mktemp("eagle")
-    save_eagle_head(random_head(target, norms=request.param), directory)
+    save_eagle_head(random_eagle_head(target, norms=request.param), directory)
     return directory
 
 
@@ -70,7 +60,7 @@ def head_dir(request, target, tmp_path_factory):
 
 @pytest.mark.parametrize("binary", [True, False], ids=["bin", "safetensors"])
 def test_loads_the_safeailab_layout(target, tmp_path, binary):
-    head = random_head(target, norms=False)
+    head = random_eagle_head(target, norms=False)
     loaded = load_eagle_head(safeailab_dir(tmp_path, head, binary), target)
     assert not loaded.norms and loaded.fc.bias is not None
     assert isinstance(loaded.layers[0].input_layernorm, torch.nn.Identity)
@@ -83,7 +73,7 @@ def test_loads_the_safeailab_layout(target, tmp_path, binary):
 
 @pytest.mark.parametrize("norms", [False, True])
 def test_save_load_round_trip(target, tmp_path, norms):
-    head = random_head(target, norms=norms)
+    head = random_eagle_head(target, norms=norms)
     save_eagle_head(head, tmp_path)
     loaded = load_eagle_head(tmp_path, target)
     assert loaded.norms == norms
@@ -102,7 +92,7 @@ def test_save_load_round_trip(target, tmp_path, norms):
     ],
 )
 def test_bad_checkpoints_name_the_tensor(target, tmp_path, edit, message):
-    head = random_head(target, norms=False)
+    head = random_eagle_head(target, norms=False)
     safeailab_dir(tmp_path, head, binary=False)
     state = read_safetensors(tmp_path)
     edit(state)
@@ -113,7 +103,7 @@ def test_bad_checkpoints_name_the_tensor(target, tmp_path, edit, message):
 
 
 def test_normed_flag_without_norms_is_reported(target, tmp_path):
-    safeailab_dir(tmp_path, random_head(target, norms=False), binary=False)
+    safeailab_dir(tmp_path, random_eagle_head(target, norms=False), binary=False)
     config = json.loads((tmp_path / "config.json").read_text()) | {"eagle_norms": True}
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="layers.0.input_layernorm.weight"):
@@ -123,7 +113,7 @@ def test_normed_flag_without_norms_is_reported(target, tmp_path):
 def test_hidden_size_must_match_the_target(target, tmp_path):
     cfg = target.config
     other = LlamaModel(LlamaConfig(cfg.vocab_size, 32, 64, 1, 2, 1))
-    save_eagle_head(random_head(other, norms=True), tmp_path)
+    save_eagle_head(random_eagle_head(other, norms=True), tmp_path)
     with pytest.raises(CheckpointError, match="hidden size"):
         load_eagle_head(tmp_path, target)
 
@@ -177,25 +167,11 @@ def reference_chain(head: EagleHead, committed: list[int], k: int) -> list[int]:
     return chain
 
 
-@pytest.fixture(scope="module")
-def prompts():
-    return ragged_prompts(16, 300, seed=11)
-
-
-@pytest.fixture(scope="module")
-def expected(tiny_target, prompts):
-    async def plain():
-        async with running(make_config(tiny_target)) as engine:
-            return await staggered(engine, prompts, GREEDY)
-
-    return asyncio.run(plain())
-
-
 @pytest.mark.parametrize("pages", [256, 40])
-async def test_greedy_eagle_equals_plain(tiny_target, head_dir, prompts, expected, pages):
+async def test_greedy_eagle_equals_plain(tiny_target, head_dir, ragged16, plain16, pages):
     config = make_config(tiny_target, "eagle", head_dir, k=3, pages=pages, max_batch_tokens=64)
     async with running(config) as engine:
-        assert await staggered(engine, prompts, GREEDY, seed=5) == expected
+        assert await staggered(engine, ragged16, GREEDY, seed=5) == plain16
         if pages < 100:
             assert engine.scheduler.num_preemptions > 0
         await engine.wait_idle()

@@ -19,23 +19,22 @@ from models.eagle import save_eagle_head
 from models.loader import load_model
 from server import config_from_args
 from stages import eagle_drafter
-from stages.draft import refill_columns, tree_ancestors, tree_drafts
+from stages.draft import refill_columns
 from stages.eagle_drafter import _best
-from stages.refill import move_tree_path
+from stages.tree import move_tree_path, tree_ancestors, tree_drafts
 from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
-from tests.test_attention import shuffled_allocator
-from tests.test_eagle import random_head
-from tests.test_sample import chi_square_pvalue
-from tests.test_speculative_stats import (
+from tests.paged import shuffled_allocator
+from tests.stats import (
     PARAMS,
     PROMPT,
     TOKENS,
     VOCAB,
     N,
     chi_square_p_value,
+    chi_square_pvalue,
     exact_joint,
 )
-from tests.tiny import write_model
+from tests.tiny import random_eagle_head, write_model
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 # requests of the sampling-law tests: the fixed tree draws its children from q, and its test
@@ -58,7 +57,7 @@ def tree_config(target, head, tree: str, sampled_drafts: bool = True, **kw):
 @pytest.fixture(scope="module")
 def head_dir(tiny_target, tmp_path_factory):
     directory = tmp_path_factory.mktemp("eagle_tree")
-    save_eagle_head(random_head(load_model(tiny_target), norms=True), directory)
+    save_eagle_head(random_eagle_head(load_model(tiny_target), norms=True), directory)
     return directory
 
 
@@ -69,7 +68,7 @@ def small(tmp_path_factory):
     root = tmp_path_factory.mktemp("small_vocab")
     target = write_model(root / "t", layers=2, hidden=32, seed=7, scale=1.5, model_vocab=8)
     head = root / "head"
-    save_eagle_head(random_head(load_model(target), norms=True, seed=2, scale=1.0), head)
+    save_eagle_head(random_eagle_head(load_model(target), norms=True, seed=2, scale=1.0), head)
     return target, head
 
 
@@ -411,7 +410,7 @@ def stats_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tree_stats")
     target = write_model(root / "t", layers=1, hidden=16, seed=3, scale=1.5, model_vocab=VOCAB)
     head = root / "head"
-    save_eagle_head(random_head(load_model(target), norms=True, seed=5, scale=1.5), head)
+    save_eagle_head(random_eagle_head(load_model(target), norms=True, seed=5, scale=1.5), head)
     return target, head
 
 

@@ -129,17 +129,17 @@ def trained_heads(target, store, tmp_path_factory):
 async def test_validation_is_the_engines(kind, tiny_target, trained_heads, monkeypatch):
     """The validation loads the head into the engine, and reports what the engine's own
     usage counters show for the same requests."""
-    import stages.drafters as drafters
+    import engine.builder as builder
 
     loaded = []
     name = "load_mtp_head" if kind == "mtp" else "load_eagle_head"
-    original = getattr(drafters, name)
+    original = getattr(builder, name)
 
     def spy(directory, model):
         loaded.append(str(directory))
         return original(directory, model)
 
-    monkeypatch.setattr(drafters, name, spy)
+    monkeypatch.setattr(builder, name, spy)
     prompts = [list(range(1, 12)), [5, 9, 200]]
     config = head_validate.engine_config(tiny_target, kind, trained_heads[kind], 3, 4)
     result = await head_validate.engine_acceptance(config, prompts, 16)

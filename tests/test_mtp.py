@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import threading
@@ -11,27 +12,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.engine import AsyncEngine
+from engine.executor import Executor
 from engine.request import SamplingParams
 from models.attention import CausalAttention
 from models.loader import CheckpointError, load_model, read_safetensors, save_pretrained
 from models.mtp import MTPHead, load_mtp_head, save_mtp_head
-from tests import test_speculative_stats as stats
+from tests import stats
 from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
-from tests.tiny import write_model
+from tests.tiny import random_mtp_head, write_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-
-
-def random_head(target, seed: int = 0, scale: float = 0.5) -> MTPHead:
-    cfg = dataclasses.replace(target.config, num_layers=1)
-    head = MTPHead(cfg, target)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if "norm" not in name:
-                p.copy_(torch.randn(p.shape, generator=generator) * scale / p.shape[-1] ** 0.5)
-    return head.eval().requires_grad_(False)
 
 
 def run_head(head: MTPHead, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -49,7 +39,7 @@ def target(tiny_target):
 @pytest.fixture(scope="module")
 def head_dir(tiny_target, target, tmp_path_factory):
     directory = tmp_path_factory.mktemp("mtp")
-    save_mtp_head(random_head(target, seed=7), directory)
+    save_mtp_head(random_mtp_head(target, seed=7), directory)
     return directory
 
 
@@ -57,7 +47,7 @@ def head_dir(tiny_target, target, tmp_path_factory):
 
 
 def test_standalone_round_trip(target, tmp_path):
-    head = random_head(target, seed=1)
+    head = random_mtp_head(target, seed=1)
     save_mtp_head(head, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["TandemMTPHead"]
     loaded = load_mtp_head(tmp_path, target)
@@ -72,7 +62,7 @@ def test_deepseek_layout_after_the_target_layers(tiny_target, target, tmp_path):
     """A Llama checkpoint with an MTP layer at index num_hidden_layers, DeepSeek's names; the
     layer's own embed_tokens and shared_head.head are ignored (the target's are shared)."""
     save_pretrained(target, tmp_path, dtype=torch.float32)
-    head = random_head(target, seed=2)
+    head = random_mtp_head(target, seed=2)
     n = target.config.num_layers
     tensors = read_safetensors(tmp_path)
     for name, t in head.state_dict().items():
@@ -90,7 +80,7 @@ def test_deepseek_layout_after_the_target_layers(tiny_target, target, tmp_path):
 
 def test_concat_order_is_embedding_first(target, tmp_path):
     """eh_proj reading only its first half must make the head depend on the token alone."""
-    head = random_head(target, seed=3)
+    head = random_mtp_head(target, seed=3)
     size = target.config.hidden_size
     with torch.no_grad():
         head.eh_proj.weight[:, size:] = 0  # [H, 2H]: the hidden half reads nothing
@@ -119,7 +109,7 @@ def _rewrite(directory, edit) -> None:
     ],
 )
 def test_bad_checkpoints_are_named(target, tmp_path, edit, message):
-    save_mtp_head(random_head(target), tmp_path)
+    save_mtp_head(random_mtp_head(target), tmp_path)
     _rewrite(tmp_path, edit)
     with pytest.raises(CheckpointError, match=message):
         load_mtp_head(tmp_path, target)
@@ -149,7 +139,7 @@ def copy_head(target_dir, directory):
         weight = target.embed_tokens.weight
         weight /= weight.pow(2).mean(-1, keepdim=True).sqrt()
     save_pretrained(target, target_dir, dtype=torch.float32)
-    head = random_head(target)
+    head = random_mtp_head(target)
     size = target.config.hidden_size
     with torch.no_grad():
         head.eh_proj.weight.zero_()
@@ -193,25 +183,11 @@ async def test_deferred_logits_match_the_head_over_the_whole_sequence(tiny_targe
     assert torch.allclose(deferred, expected, atol=1e-4)
 
 
-@pytest.fixture(scope="module")
-def prompts():
-    return ragged_prompts(16, 300, seed=11)
-
-
-@pytest.fixture(scope="module")
-def expected(tiny_target, prompts):
-    async def plain():
-        async with running(make_config(tiny_target)) as engine:
-            return await staggered(engine, prompts, GREEDY)
-
-    return asyncio.run(plain())
-
-
 @pytest.mark.parametrize("k, pages", [(3, 256), (3, 40), (1, 256), (1, 40)])
-async def test_greedy_mtp_equals_plain(tiny_target, head_dir, prompts, expected, k, pages):
+async def test_greedy_mtp_equals_plain(tiny_target, head_dir, ragged16, plain16, k, pages):
     config = make_config(tiny_target, "mtp", head_dir, k=k, pages=pages, max_batch_tokens=64)
     async with running(config) as engine:
-        assert await staggered(engine, prompts, GREEDY, seed=5) == expected
+        assert await staggered(engine, ragged16, GREEDY, seed=5) == plain16
         if pages < 100:
             assert engine.scheduler.num_preemptions > 0
         await engine.wait_idle()
@@ -254,7 +230,7 @@ def test_sampled_mtp_follows_target(tmp_path, k):
     target_dir = write_model(
         tmp_path / "t", layers=1, hidden=16, seed=3, scale=1.5, model_vocab=stats.VOCAB
     )
-    save_mtp_head(random_head(load_model(target_dir), seed=4, scale=1.5), tmp_path / "h")
+    save_mtp_head(random_mtp_head(load_model(target_dir), seed=4, scale=1.5), tmp_path / "h")
     expected = stats.exact_joint(target_dir)
     observed = asyncio.run(mtp_joint(target_dir, tmp_path / "h", k))
     assert sum(observed.values()) == stats.N
@@ -293,38 +269,42 @@ def forbid_host_sync(monkeypatch):
 
     for name in HOST_CONVERSIONS:
         guard(name)
-    traced = AsyncEngine._traced
+    traced = Executor._stage
 
-    def stage(self, name, fn, plan):
+    @contextlib.contextmanager
+    def stage(self, plan, time, name, *args):
         guarded.on = plan.kind == "decode" and name in ("draft", "verify", "sample", "refill")
         try:
-            return traced(self, name, fn, plan)
+            with traced(self, plan, time, name, *args) as fields:
+                yield fields
         finally:
             guarded.on = False
 
-    monkeypatch.setattr(AsyncEngine, "_traced", stage)
+    monkeypatch.setattr(Executor, "_stage", stage)
 
 
 async def test_one_token_mode_never_syncs_the_host(
-    tiny_target, head_dir, prompts, expected, forbid_host_sync
+    tiny_target, head_dir, ragged16, plain16, forbid_host_sync
 ):
     config = make_config(tiny_target, "mtp", head_dir, k=1, max_batch_tokens=64)
     unknown: list[int] = []
     async with running(config) as engine:
-        engine._fault = lambda name, plan: unknown.extend(plan.unknown if name == "draft" else [])
-        outs = await staggered(engine, prompts, GREEDY, seed=5)
-    assert outs == expected  # no step failed on a conversion, and the output is lossless
-    assert sum(unknown) > len(prompts)  # steps were planned before the last one was sampled
+        engine.executor.fault = lambda name, plan, dev: unknown.extend(
+            plan.unknown if name == "draft" else []
+        )
+        outs = await staggered(engine, ragged16, GREEDY, seed=5)
+    assert outs == plain16  # no step failed on a conversion, and the output is lossless
+    assert sum(unknown) > len(ragged16)  # steps were planned before the last one was sampled
 
 
 async def test_the_host_sync_guard_catches_a_conversion(tiny_target, head_dir, forbid_host_sync):
     config = make_config(tiny_target, "mtp", head_dir, k=1)
 
-    def sync(name, plan):
+    def sync(name, plan, dev):
         if name == "verify" and plan.kind == "decode":
-            plan.device().base.tolist()
+            dev.base.tolist()
 
     async with running(config) as engine:
-        engine._fault = sync
+        engine.executor.fault = sync
         out = await engine.generate([1, 2, 3], GREEDY)
     assert out[-1].finish_reason == "error" and "host sync" in out[-1].error

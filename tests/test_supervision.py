@@ -98,11 +98,11 @@ async def test_the_watchdog_stops_a_hung_engine(tiny_target):
     async with running(make_config(tiny_target, watchdog_s=0.5)) as engine:
         hang = asyncio.Event()
 
-        def stuck(stage, plan):
+        def stuck(stage, plan, dev):
             if stage == "verify" and not hang.is_set():
                 time.sleep(2.0)  # the device thread hangs in a step
 
-        engine._fault = stuck
+        engine.executor.fault = stuck
         start = time.monotonic()
         deltas = await engine.generate(PROMPTS[0], GREEDY)
         assert deltas[-1].finish_reason is FinishReason.ERROR
@@ -114,11 +114,11 @@ async def test_the_watchdog_stops_a_hung_engine(tiny_target):
 async def test_the_circuit_breaker_opens_after_failed_steps(tiny_target):
     async with running(make_config(tiny_target, max_failed_steps=3)) as engine:
 
-        def sticky(stage, plan):
+        def sticky(stage, plan, dev):
             if stage == "verify":
                 raise RuntimeError("device error: an illegal memory access")
 
-        engine._fault = sticky
+        engine.executor.fault = sticky
         for _ in range(3):  # each request fails at least one step
             try:
                 deltas = await engine.generate(PROMPTS[0], GREEDY)
@@ -133,15 +133,15 @@ async def test_a_served_step_closes_the_breaker(tiny_target):
     async with running(make_config(tiny_target, max_failed_steps=2)) as engine:
         fired: list[int] = []
 
-        def once(stage, plan):
+        def once(stage, plan, dev):
             if stage == "verify" and not fired:
                 fired.append(plan.step)
                 raise RuntimeError("transient")
 
         for _ in range(3):  # fail, serve, fail, serve...: never two failures in a row
             fired.clear()
-            engine._fault = once
+            engine.executor.fault = once
             assert (await engine.generate(PROMPTS[0], GREEDY))[-1].error is not None
-            engine._fault = None
+            engine.executor.fault = None
             assert (await engine.generate(PROMPTS[0], GREEDY))[-1].error is None
         assert engine.failure is None

@@ -3,14 +3,17 @@ byte-level BPE tokenizer, written as Hugging Face directories."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from models.eagle import EagleHead
 from models.llama import LlamaConfig, LlamaModel
 from models.loader import save_pretrained
+from models.mtp import MTPHead
 
 TEXT = [
     "def add(a, b):\n    return a + b\n",
@@ -74,11 +77,33 @@ def write_model(
         eos_token_id=0,
         bos_token_id=0,
     )
-    generator = torch.Generator().manual_seed(seed)
     model = LlamaModel(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.copy_(torch.randn(p.shape, generator=generator) * scale / p.shape[-1] ** 0.5)
+    randomize(model, seed, scale)
     save_pretrained(model, directory, dtype=torch.float32)
     return directory
+
+
+def random_eagle_head(
+    target: LlamaModel, norms: bool, seed: int = 3, scale: float = 0.5
+) -> EagleHead:
+    """A head of the target's shapes with large random weights (wide top-2 logit gaps)."""
+    head = EagleHead(target.config, target, norms=norms, fc_bias=not norms)
+    randomize(head, seed, scale)
+    return head.eval().requires_grad_(False)
+
+
+def random_mtp_head(target: LlamaModel, seed: int = 0, scale: float = 0.5) -> MTPHead:
+    """An MTP head of the target's shapes with large random weights."""
+    cfg = dataclasses.replace(target.config, num_layers=1)
+    head = MTPHead(cfg, target)
+    randomize(head, seed, scale)
+    return head.eval().requires_grad_(False)
+
+
+def randomize(module: torch.nn.Module, seed: int, scale: float) -> None:
+    """Every weight but the norms' drawn at `scale` (large: wide top-2 logit gaps)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" not in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * scale / p.shape[-1] ** 0.5)

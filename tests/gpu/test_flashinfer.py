@@ -13,7 +13,7 @@ import torch
 from kv.cache import KVCache
 from models.attention import TorchPagedAttention
 from models.masks import pack_tree_mask
-from tests.test_attention import CASES, NUM_PAGES, Batch
+from tests.attention_cases import CASES, NUM_PAGES, Batch
 
 pytestmark = pytest.mark.gpu
 flashinfer = pytest.importorskip("flashinfer")
@@ -59,6 +59,21 @@ def compare(batch: Batch, ours, theirs, num_q_heads: int, num_kv_heads: int) -> 
 def test_flashinfer_matches_torch_backend(case, page_size, heads):
     batch = Batch(CASES[case], page_size, seed=page_size)
     compare(batch, *planned(batch, *heads), *heads)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_engine_backend_matches_torch_backend(case):
+    """FlashInferBackend (what `--attention flashinfer` runs) planned from a forward's metadata,
+    custom mask and all, against the torch backend on the same metadata."""
+    from models.flashinfer_backend import FlashInferBackend
+
+    batch, heads = Batch(CASES[case], 16, seed=3), (4, 2)
+    caches = [KVCache(LAYERS, NUM_PAGES, 16, heads[1], HEAD_DIM, DTYPE, "cuda") for _ in range(2)]
+    caches[0].data.normal_()
+    caches[1].data.copy_(caches[0].data)
+    meta = batch.metadata("cuda")
+    ours = TorchPagedAttention(meta, caches[0], heads[0])
+    compare(batch, ours, FlashInferBackend()(meta, caches[1], heads[0]), *heads)
 
 
 def test_plan_ahead_keeps_the_bound_plan():

@@ -4,9 +4,9 @@ distributions (chi-square, fixed seeds, so every run draws the same numbers)."""
 import pytest
 import torch
 
-import stages.sample as sample_module
+import stages.sampling as sample_module
 from engine.request import SamplingParams
-from stages.sample import (
+from stages.sampling import (
     SALT_ACCEPT,
     SALT_CHILD_ACCEPT,
     SALT_SAMPLE,
@@ -22,6 +22,7 @@ from stages.sample import (
     uniform,
     uniforms,
 )
+from tests.stats import chi_square_pvalue
 
 F64 = torch.float64
 
@@ -70,19 +71,6 @@ def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.min_p:
         probs[probs < p.min_p * probs.max()] = 0
     return probs / probs.sum()
-
-
-def chi_square_pvalue(values: torch.Tensor, probs: torch.Tensor) -> float:
-    """P-value of `values` (ints in [0, len(probs))) being draws of `probs`; a draw of a
-    zero-probability value gives 0."""
-    counts = torch.bincount(values, minlength=probs.numel()).to(F64)
-    support = probs > 0
-    if counts[~support].sum() > 0:
-        return 0.0
-    expected = counts.sum() * probs[support].to(F64)
-    stat = ((counts[support] - expected) ** 2 / expected).sum()
-    dof = torch.tensor((int(support.sum()) - 1) / 2, dtype=F64)
-    return float(torch.special.gammaincc(dof, stat / 2))
 
 
 # ---- random numbers ----

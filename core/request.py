@@ -1,0 +1,99 @@
+"""Requests and what the engine streams back for them (plain types)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from core.params import SamplingParams
+
+PRIOR_RATE = 0.6  # acceptance assumed for a new request (the demo pair's greedy is ~0.65)
+PRIOR_WEIGHT = 4.0  # ... worth this many drafted positions
+FORGET = 0.95  # per step: recent steps count more (acceptance drifts with the text)
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # eos, a stop string or a stop token
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class AcceptanceRate:
+    """One request's smoothed chance that a draft token is accepted (given its prefix was).
+
+    A step that drafted n tokens and accepted a of them saw a acceptances and, if a < n, one
+    rejection; the estimate is acceptances over trials, both decayed by FORGET each step."""
+
+    accepted: float = PRIOR_RATE * PRIOR_WEIGHT
+    trials: float = PRIOR_WEIGHT
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        self.accepted = FORGET * self.accepted + accepted
+        self.trials = FORGET * self.trials + accepted + (accepted < drafted)
+
+    def idle(self) -> None:
+        """A step that drafted nothing: the evidence fades toward the prior's, by FORGET.
+        Without it a low estimate would turn drafting off for good, since only drafting
+        shows it otherwise."""
+        self.accepted = FORGET * self.accepted + (1 - FORGET) * PRIOR_RATE * PRIOR_WEIGHT
+        self.trials = FORGET * self.trials + (1 - FORGET) * PRIOR_WEIGHT
+
+    @property
+    def rate(self) -> float:
+        return min(self.accepted / self.trials, 0.999)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top-n (token id, logprob), best first
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    draft_tokens: int = 0  # draft tokens proposed for this request
+    accepted_tokens: int = 0  # of those, accepted by the target
+    spec_steps: int = 0  # verify steps that speculated
+
+
+@dataclass
+class Delta:
+    """New output of one request: tokens, their text, and on the last delta the finish."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None  # set with FinishReason.ERROR
+    usage: Usage | None = None  # set on the last delta
+
+
+@dataclass
+class Request:
+    """Host-side state of one request; the scheduler and the stages own its fields."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: float
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    inflight: int = 0  # scheduled steps whose tokens are not yet known on the host
+    acceptance: AcceptanceRate = field(default_factory=AcceptanceRate)  # for the cost model
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids

@@ -1,0 +1,226 @@
+"""The builder: the engine's models, caches, stages and cost model, made once from its config.
+
+Every part gets what it needs as arguments; nothing reaches into the engine. The attention
+backend is chosen here, once, from `ATTENTION_BACKENDS`, and handed to every stage that runs
+a forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig, SpecConfig
+from engine.cost import CostModel, build_cost_model
+from engine.scheduler import Scheduler
+from kv.cache import KVCache
+from kv.pages import PageAllocator
+from models.attention import AttentionBackend, TorchPagedAttention
+from models.eagle import load_eagle_head
+from models.flashinfer_backend import FlashInferBackend
+from models.gguf import packaged_smollm2
+from models.llama import LlamaModel, prepare_for_inference
+from models.loader import load_model
+from models.mtp import load_mtp_head
+from models.tokenizer import Tokenizer
+from stages.draft import Drafter, NgramDrafter, NoDrafter
+from stages.draft_model import DraftModelDrafter
+from stages.eagle_drafter import DynamicTree, EagleDrafter, EagleTreeDrafter, FixedTree
+from stages.history import TokenHistory
+from stages.insert import insert_kernel
+from stages.mtp_drafter import MTPDrafter
+from stages.refill import RefillStage
+from stages.sample import SampleStage
+from stages.verify import Verifier
+
+DEMO_DIR = Path(__file__).resolve().parent.parent / "models" / "demo"
+SMOLLM2 = "smollm2"  # EngineConfig.model naming SmolLM2-135M-Instruct's registry package
+MODEL_NAMES = {None: "tandem-demo", SMOLLM2: "SmolLM2-135M-Instruct"}
+
+
+def model_path(model: str | None) -> Path:
+    """A model's directory or GGUF file: the tiny demo family's target (None),
+    SmolLM2-135M-Instruct from its registry package ("smollm2"), or the path given."""
+    if model is None:
+        return DEMO_DIR / "target"
+    if model == SMOLLM2:
+        return packaged_smollm2()
+    return Path(model)
+
+
+def _flashinfer(device: torch.device) -> AttentionBackend:
+    if device.type != "cuda":
+        raise ValueError("the flashinfer attention backend runs on CUDA devices only")
+    return FlashInferBackend()
+
+
+# name -> the backend for a device. FlashInfer is not the default until it is proven against
+# the torch backend through the engine on a device (tests/gpu/).
+ATTENTION_BACKENDS: dict[str, Callable[[torch.device], AttentionBackend]] = {
+    "torch": lambda device: TorchPagedAttention,
+    "flashinfer": _flashinfer,
+}
+
+
+@dataclass
+class DeviceStages:
+    """The step's device stages and the per-row state they share."""
+
+    history: TokenHistory
+    insert: Any  # stages.insert.insert_kernel(device)
+    drafter: Drafter
+    verifier: Verifier
+    sampler: SampleStage
+    refiller: RefillStage
+
+
+@dataclass
+class Built:
+    model: LlamaModel
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+    k: int  # the most draft tokens a step (0: no speculation)
+    allocator: PageAllocator
+    scheduler: Scheduler
+    stages: DeviceStages
+    cost: CostModel | None  # chooses each step's k; None: k is fixed
+
+
+class Builder:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+
+    def build(self) -> Built:
+        """Everything the engine runs (on the device's thread: model loading, calibration)."""
+        config, spec = self.config, self.config.spec
+        attention = ATTENTION_BACKENDS[config.attention](self.device)
+        model_dir = model_path(config.model)
+        model = load_model(model_dir, self.dtype, self.device)
+        prepare_for_inference(model)
+        max_model_len = config.max_model_len or model.config.max_position_embeddings
+        k = spec.num_draft_tokens if spec.enabled else 0
+        num_pages = config.kv.num_pages or self._pages_for(model, config.kv.memory_bytes)
+        allocator = PageAllocator(num_pages)
+        cache = self.cache_for(model, num_pages)
+        history = TokenHistory(config.max_running, max_model_len + 2 * k + 4, self.device)
+        drafter = self.drafter(spec, model, cache, attention, num_pages)
+        stages = DeviceStages(
+            history=history,
+            insert=insert_kernel(self.device),
+            drafter=drafter,
+            verifier=Verifier(model, cache, attention, history),
+            sampler=SampleStage(history, model.config.vocab_size),
+            refiller=RefillStage(history, drafter),
+        )
+        scheduler = Scheduler(
+            allocator,
+            config.kv.page_size,
+            config.max_running,
+            config.max_batch_tokens,
+            k + 1 + spec.one_token_mode,  # one-token mode: a step the host has not seen yet
+            max_model_len,
+        )
+        cost = None
+        if spec.enabled and spec.picks_k:
+            cost = build_cost_model(model, drafter, config.max_running, k, spec.calibration)
+        return Built(
+            model=model,
+            tokenizer=Tokenizer(model_dir),
+            model_name=MODEL_NAMES.get(config.model, model_dir.stem),
+            max_model_len=max_model_len,
+            k=k,
+            allocator=allocator,
+            scheduler=scheduler,
+            stages=stages,
+            cost=cost,
+        )
+
+    def cache_for(self, model: Any, num_pages: int) -> KVCache:
+        """A KV cache of `num_pages` pages shaped for `model` (a target, draft model or head)."""
+        cfg = model.config
+        page_size = self.config.kv.page_size
+        return KVCache(
+            cfg.num_layers,
+            num_pages,
+            page_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            self.dtype,
+            self.device,
+        )
+
+    def _pages_for(self, model: LlamaModel, memory_bytes: int) -> int:
+        cfg = model.config
+        per_page = KVCache.bytes_per_page(
+            cfg.num_layers, self.config.kv.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype
+        )
+        return max(1, memory_bytes // (2 * per_page))  # half for a drafter's cache
+
+    def drafter(
+        self,
+        spec: SpecConfig,
+        target: LlamaModel,
+        target_cache: KVCache,
+        attention: AttentionBackend,
+        num_pages: int,
+    ) -> Drafter:
+        """The drafter for `spec.method`; its cache shares the target's page ids."""
+        rows, sampled = self.config.max_running, spec.sampled_drafts
+        if spec.method == "none":
+            return NoDrafter()
+        if spec.method == "ngram":
+            return NgramDrafter(spec.ngram_min, spec.ngram_max)
+        if spec.method == "draft":
+            directory = Path(spec.draft) if spec.draft else DEMO_DIR / "draft"
+            model = load_model(directory, self.dtype, self.device)
+            prepare_for_inference(model)
+            if model.config.vocab_size != target.config.vocab_size:
+                raise ValueError(
+                    f"the draft model's vocabulary ({model.config.vocab_size}) differs from the "
+                    f"target's ({target.config.vocab_size})"
+                )
+            cache = self.cache_for(model, num_pages)
+            return DraftModelDrafter(model, cache, attention, rows, sampled)
+        if spec.method == "eagle":
+            eagle = load_eagle_head(self._head_dir(spec, "eagle", "EAGLE"), target)
+            prepare_for_inference(eagle)  # one layer: a one-layer cache
+            if spec.tree == "chain":
+                cache = self.cache_for(eagle, num_pages)
+                return EagleDrafter(eagle, cache, attention, rows, sampled)
+            shape: FixedTree | DynamicTree
+            if spec.tree == "fixed":
+                shape = FixedTree(spec.tree_paths, self.device)
+            else:
+                shape = DynamicTree(spec.tree_depth, spec.tree_topk, self.device)
+            # scratch slots past the engine's pages, where each row's tree nodes keep their
+            # head KV while the tree is drafted
+            page_size = self.config.kv.page_size
+            scratch_pages = -(-rows * shape.scratch_size // page_size)
+            cache = self.cache_for(eagle, num_pages + scratch_pages)
+            start = num_pages * page_size
+            return EagleTreeDrafter(
+                eagle, cache, attention, rows, shape, target_cache, start, sampled
+            )
+        if spec.method == "mtp":
+            head = load_mtp_head(self._head_dir(spec, "mtp", "MTP"), target)
+            prepare_for_inference(head)
+            return MTPDrafter(head, self.cache_for(head, num_pages), attention, rows, sampled)
+        raise ValueError(f"speculative method {spec.method!r} is not available yet")
+
+    def _head_dir(self, spec: SpecConfig, demo_head: str, name: str) -> Path:
+        """The head directory given with --draft; without one, the demo's head, which fits
+        only the demo target."""
+        if spec.draft:
+            return Path(spec.draft)
+        if self.config.model is not None:
+            raise ValueError(
+                f"no demo {name} head fits this target: name a head directory with --draft"
+            )
+        return DEMO_DIR / demo_head

@@ -1,0 +1,82 @@
+"""Statistical checks shared by the sampling and speculation tests."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from core.params import SamplingParams, SamplingTensors
+from models.attention import CausalAttention
+from models.loader import load_model
+from stages.sampling import process_logits
+
+F64 = torch.float64
+
+
+def chi_square_pvalue(values: torch.Tensor, probs: torch.Tensor) -> float:
+    """P-value of `values` (ints in [0, len(probs))) being draws of `probs`; a draw of a
+    zero-probability value gives 0."""
+    counts = torch.bincount(values, minlength=probs.numel()).to(F64)
+    support = probs > 0
+    if counts[~support].sum() > 0:
+        return 0.0
+    expected = counts.sum() * probs[support].to(F64)
+    stat = ((counts[support] - expected) ** 2 / expected).sum()
+    dof = torch.tensor((int(support.sum()) - 1) / 2, dtype=F64)
+    return float(torch.special.gammaincc(dof, stat / 2))
+
+
+# the speculative law tests: N runs of a TOKENS-token continuation of PROMPT over VOCAB tokens
+N = 3000
+VOCAB = 6
+PROMPT = [1, 2]
+TOKENS = 4
+PARAMS = dict(temperature=1.0, top_p=0.9, max_tokens=TOKENS, ignore_eos=True)
+
+
+def exact_joint(target_dir) -> dict[tuple[int, ...], float]:
+    """P(t1..t4) under the processed target distribution, by enumeration."""
+    model = load_model(target_dir)
+    st = SamplingTensors.build([SamplingParams(**PARAMS)], [0], "cpu")
+    joint = {(): 1.0}
+    for _length in range(TOKENS):
+        prefixes = list(joint)
+        ids = torch.tensor([PROMPT + list(p) for p in prefixes])
+        b, s = ids.shape
+        with torch.no_grad():
+            hidden, _ = model(ids.flatten(), torch.arange(s).repeat(b), CausalAttention(b, s))
+            logits = model.logits(hidden.view(b, s, -1)[:, -1])
+        probs = process_logits(logits[:, None].double(), _rows(st, b), None, None)[:, 0]
+        joint = {
+            p + (t,): joint[p] * probs[i, t].item()
+            for i, p in enumerate(prefixes)
+            for t in range(VOCAB)
+        }
+    return joint
+
+
+def _rows(st: SamplingTensors, b: int) -> SamplingTensors:
+    fields = {f: getattr(st, f) for f in st.__dataclass_fields__}
+    return SamplingTensors(
+        **{f: v.expand(b) if isinstance(v, torch.Tensor) else v for f, v in fields.items()}
+    )
+
+
+def chi_square_p_value(observed: dict, expected: dict, n: int) -> float:
+    """Pearson's test, outcomes with expected count below 5 pooled into one bin."""
+    stat, pooled_o, pooled_e, bins = 0.0, 0, 0.0, 0
+    for outcome, p in expected.items():
+        e, o = p * n, observed.get(outcome, 0)
+        if e < 5:
+            pooled_o, pooled_e = pooled_o + o, pooled_e + e
+            continue
+        stat += (o - e) ** 2 / e
+        bins += 1
+    if pooled_e > 0:
+        stat += (pooled_o - pooled_e) ** 2 / pooled_e
+        bins += 1
+    dof = bins - 1
+    # Wilson-Hilferty: (X/dof)^(1/3) is close to normal with mean 1 - 2/(9 dof)
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
