@@ -113,8 +113,11 @@ class Sample:
 class EngineRunner:
     """Runs request groups through one AsyncEngine and reads back what they cost."""
 
-    def __init__(self, method: Method, config: EngineConfig):
+    def __init__(self, method: Method, config: EngineConfig, seeded: bool = False):
+        """seeded: requests carry seeds (sampled ones then draw by the seeded coupling);
+        without, the engine seeds them and they take the rejection rule."""
         self.method = method
+        self.seeded = seeded
         try:
             self.engine = AsyncEngine(config)
         except Exception as error:  # a drafter that is not built or not trained fails loudly
@@ -138,7 +141,9 @@ class EngineRunner:
             records.clear()
             start = time.perf_counter()
             streams = [
-                self.engine.submit(ids, params(temperature, seed + i, max_tokens))
+                self.engine.submit(
+                    ids, params(temperature, seed + i if self.seeded else None, max_tokens)
+                )
                 for i, ids in enumerate(group)
             ]
             await asyncio.gather(*(self._consume(s, start, sample) for s in streams))
@@ -237,7 +242,7 @@ def tree_levels(spec: SpecConfig) -> list[int] | None:
     return None
 
 
-def params(temperature: float, seed: int, max_tokens: int) -> SamplingParams:
+def params(temperature: float, seed: int | None, max_tokens: int) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True
     )

@@ -108,7 +108,9 @@ def build_runners(
         for m in methods
         if not m.is_hf
     }
-    runners: dict[Method, Runner] = {m: EngineRunner(m, c) for m, c in configs.items()}
+    runners: dict[Method, Runner] = {
+        m: EngineRunner(m, c, args.seeded) for m, c in configs.items()
+    }
     hf_methods = [m for m in methods if m.is_hf]
     if hf_methods:
         target, draft = target_dir(args), Path(args.draft_model or DEMO_DIR / "draft")
@@ -173,6 +175,12 @@ def parse_args(
         default=[*ENGINE_METHODS, *HF_METHODS],
     )
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument(
+        "--seeded",
+        action="store_true",
+        help="requests carry seeds: sampled ones draw by the seeded coupling (default: no "
+        "seeds, the rejection rule)",
+    )
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--repeats", type=int, default=MIN_REPEATS, help="interleaved (median)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")

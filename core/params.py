@@ -96,11 +96,18 @@ class SamplingTensors:
     repetition_penalty: torch.Tensor  # [B] float32, 1 = off
     seeds: torch.Tensor  # [B] int64
     logit_bias: torch.Tensor | None = None  # [B, V] float32 added to the logits; None: none
+    # [B] bool: sampled rows of seeded requests, which draw by the seeded coupling
+    # (stages/sampling.py), so that speculation cannot change their tokens; None: no such row
+    coupled: torch.Tensor | None = None
     all_greedy: bool = False
     any_greedy: bool = True
     any_penalty: bool = True
     any_top_k_or_p: bool = True  # among the sampled rows
     any_min_p: bool = True  # among the sampled rows
+
+    @property
+    def any_coupled(self) -> bool:
+        return self.coupled is not None
 
     @classmethod
     def build(
@@ -115,6 +122,7 @@ class SamplingTensors:
 
         f32 = torch.float32
         sampled = [p for p in params if not p.greedy]
+        coupled = [p.seed is not None and not p.greedy for p in params]
         return cls(
             temperature=column([0.0 if p.greedy else p.temperature for p in params], f32),
             top_k=column([p.top_k for p in params], torch.int64),
@@ -126,6 +134,7 @@ class SamplingTensors:
             # any Python int seed, wrapped into int64 (two's complement)
             seeds=column([(s + 2**63) % 2**64 - 2**63 for s in seeds], torch.int64),
             logit_bias=_bias_rows(params, vocab_size, device),
+            coupled=column(coupled, torch.bool) if any(coupled) else None,
             all_greedy=not sampled,
             any_greedy=len(sampled) < len(params),
             any_penalty=any(

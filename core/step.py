@@ -142,6 +142,9 @@ class Drafts:
     positions: torch.Tensor | None = None  # [B, k + 1] verify positions: root, then nodes
     mask: torch.Tensor | None = None  # [B, k + 1, Lmax] bool, the step's keys each row sees
     siblings: int = 0  # a tree with sampled children (probs given): most children of a node
+    # [B, D + 1, V] the seeded coupling's noise at positions base + 1 .. base + 1 + D (D: k, or
+    # a tree's depth), drawn by the drafter for its own proposals; None: the sampler draws it
+    noise: torch.Tensor | None = None
 
 
 @dataclass

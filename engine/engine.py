@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import logging
 import operator
@@ -135,7 +136,7 @@ class AsyncEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.outputs:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
-        seed = params.seed if params.seed is not None else hash((self.config.seed, request_id))
+        seed = params.seed if params.seed is not None else self._derived_seed(request_id)
         request = Request(request_id, ids, params, seed, time.monotonic())
         if not self.outputs:  # the watchdog counts from the first pending request
             self._progress = time.monotonic()
@@ -157,6 +158,13 @@ class AsyncEngine:
     async def generate(self, prompt: str | list[int], params: SamplingParams) -> list[Delta]:
         """All deltas of one request (a convenience for tests and benchmarks)."""
         return [delta async for delta in self.submit(prompt, params)]
+
+    def _derived_seed(self, request_id: str) -> int:
+        """The seed of a request that brings none: a stable hash of the engine's seed and the
+        request id (the same in every process, so that runs can be repeated). Such requests
+        sample by the rejection rule, which accepts more drafts than the seeded coupling."""
+        key = f"{self.config.seed}:{request_id}".encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -13,7 +13,9 @@ from models.attention import CausalAttention
 from stages.sampling import (
     SALT_DRAFT,
     add_logit_bias,
+    coupling_noise,
     draw,
+    perturbed_argmax,
     process_logits,
     uniform,
 )
@@ -23,13 +25,18 @@ def choose_drafts(
     logits: torch.Tensor,  # [B, V] drafter logits
     st: SamplingTensors,
     u: torch.Tensor | None,  # [B] the draft's uniforms; None: greedy drafting
+    noise: torch.Tensor | None = None,  # [B, >= V] the coupling's noise at the draft's position
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(tokens [B], q [B, V] or None): the argmax (a point mass), or a draw from the processed
-    q, which the sampler then needs whole for the residual."""
+    q, which the sampler then needs whole for the residual; coupled rows (given `noise`) take
+    q's Gumbel-max token, the coupling's guess at the target's."""
     if u is None:  # the bias, so that a biased target still accepts these drafts
         return add_logit_bias(logits, st.logit_bias).argmax(-1), None
     q = process_logits(logits[:, None], st)[:, 0]
-    return draw(q, u), q
+    tokens = draw(q, u)
+    if noise is not None and st.coupled is not None:
+        tokens = torch.where(st.coupled, perturbed_argmax(q, noise), tokens)
+    return tokens, q
 
 
 def draft_chain(
@@ -45,20 +52,24 @@ def draft_chain(
     state (what a head feeds back: its hidden state; nothing for a draft model). A greedy
     batch's q would be the argmax's point mass anyway, so it drafts greedily."""
     st, k = plan.sampling, plan.k
-    u = None  # [B, k] the drafts' uniforms, drawn at once (positions base + 1 ..)
+    u = noise = None  # [B, k] the drafts' uniforms, drawn at once (positions base + 1 ..)
     if sampled and not st.all_greedy:
-        positions = dev.base[:, None] + 1 + torch.arange(k, device=dev.base.device)
-        u = uniform(st.seeds, positions, SALT_DRAFT)
+        positions = dev.base[:, None] + 1 + torch.arange(k + 1, device=dev.base.device)
+        u = uniform(st.seeds, positions[:, :k], SALT_DRAFT)
+        if st.coupled is not None:  # the sampler reuses it, bonus position included
+            noise = coupling_noise(st.seeds, positions, logits.shape[-1], st.coupled)
     tokens: list[torch.Tensor] = []
     probs: list[torch.Tensor] = []
     for j in range(k):
-        token, q = choose_drafts(logits, st, None if u is None else u[:, j])
+        u_j = None if u is None else u[:, j]
+        token, q = choose_drafts(logits, st, u_j, None if noise is None else noise[:, j])
         tokens.append(token)
         if q is not None:
             probs.append(q)
         if j + 1 < k:
             logits, state = step(token, state, j)
-    return Drafts(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None)
+    stacked = torch.stack(probs, 1) if probs else None
+    return Drafts(torch.stack(tokens, 1), stacked, noise=noise)
 
 
 def refill_columns(num_accepted: torch.Tensor, width: int) -> int:

@@ -12,16 +12,19 @@ refill rewrites those pairs with the target's features of the tokens it kept.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from core.attention import AttentionMetadata
+from core.params import SamplingTensors
 from core.step import DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
 from kv.cache import KVCache
 from models.attention import Attention, AttentionBackend
 from models.eagle import EagleHead
 from stages.draft import draft_chain, probe_head, refill_columns
 from stages.plan import drafter_metadata
-from stages.sampling import SALT_CHILD, SamplingTensors, draw, process_logits, uniforms
+from stages.sampling import SALT_CHILD, coupling_noise, draw, process_logits, uniforms
 from stages.tree import move_tree_path, tree_ancestors, tree_drafts
 
 
@@ -164,16 +167,15 @@ class EagleTreeDrafter(EagleDrafter):
 
     def propose(self, plan: Plan, dev: DevicePlan) -> Drafts:
         st, shape = plan.sampling, self.shape
-        if self.sampled and not st.all_greedy and isinstance(shape, FixedTree):
-            tokens, parents, depths, ancestors, q = shape.draft(self, dev, plan.k, st)
-            siblings = shape.siblings
-        else:
-            tokens, parents, depths, ancestors, q = shape.draft(self, dev, plan.k)
-            siblings = 0
+        sampled = self.sampled and not st.all_greedy
+        tree = shape.draft(self, dev, plan.k, st if sampled else None)
         # never accept past num_drafts: deeper nodes become padding (their subtrees too)
-        tokens = torch.where(depths <= dev.num_drafts[:, None], tokens, -1)
-        drafts = tree_drafts(dev, tokens, parents, depths, min(shape.depth, plan.k), ancestors)
-        drafts.probs, drafts.siblings = q, siblings
+        tokens = torch.where(tree.depths <= dev.num_drafts[:, None], tree.tokens, -1)
+        depth = min(shape.depth, plan.k)
+        drafts = tree_drafts(dev, tokens, tree.parents, tree.depths, depth, tree.ancestors)
+        drafts.probs, drafts.noise = tree.probs, tree.noise
+        if tree.probs is not None and isinstance(shape, FixedTree):  # children drawn from q
+            drafts.siblings = shape.siblings
         return drafts
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
@@ -297,13 +299,14 @@ class FixedTree:
 
     def draft(
         self, d: EagleTreeDrafter, dev: DevicePlan, n: int, st: SamplingTensors | None = None
-    ):
-        """(tokens, parents, depths) [B, n] of the first n nodes, their ancestors [B, n, n] (a
-        prefix of the nodes is a tree: its ancestors are a corner of the whole tree's), and q
-        [B, n, V], the distribution each node was drawn from (None: ranked children). Without
-        `st` children are ranked by the head's logits (the order of its probabilities)."""
+    ) -> DraftedTree:
+        """The first n nodes; a prefix of the nodes is a tree: its ancestors are a corner of
+        the whole tree's. With `st` children are drawn from q (and kept, for the sampler);
+        coupled rows take q's top Gumbel-perturbed tokens. Without, children are ranked by
+        the head's logits (the order of its probabilities)."""
         logits, hidden = d.roots(dev)  # [B, V], [B, H]
         b = logits.shape[0]
+        noise = _tree_noise(dev, st, self.depth, logits.shape[-1])
         children, hidden = logits[:, None], hidden[:, None]  # the nodes run: the root
         tokens, drawn_from = [], []  # per depth [B, its nodes], [B, its nodes, V]
         for level, (flat, width, fed_by) in enumerate(self.levels, start=1):
@@ -312,6 +315,10 @@ class FixedTree:
             else:
                 q = process_logits(children, st)  # [B, m, V]
                 top = self._children(q, width, st.seeds, dev.base + level)
+                if noise is not None and st.coupled is not None:
+                    perturbed = q.log() + noise[:, level - 1, None]
+                    best = perturbed.topk(width, dim=-1).indices.flatten(1)
+                    top = torch.where(st.coupled[:, None], best, top)
                 drawn_from.append(q.index_select(1, fed_by))
             tokens.append(top.index_select(1, flat))
             if level == self.depth:
@@ -326,12 +333,13 @@ class FixedTree:
         expand = lambda t: t[None, :n].expand(b, -1)
         ancestors = self.ancestors[:, :n, :n].expand(b, -1, -1)
         q_nodes = torch.cat(drawn_from, 1)[:, :n] if drawn_from else None
-        return (
+        return DraftedTree(
             torch.cat(tokens, 1)[:, :n],
             expand(self.parents),
             expand(self.depths),
             ancestors,
             q_nodes,
+            noise,
         )
 
     @staticmethod
@@ -357,12 +365,27 @@ class DynamicTree:
         depths = [1] * topk + [d for d in range(2, depth + 1) for _ in range(topk**2)]
         self.depths = torch.tensor(depths, dtype=torch.long, device=device)  # [C] candidates
 
-    def draft(self, d: EagleTreeDrafter, dev: DevicePlan, n: int):
-        """(tokens, parents, depths) [B, n]; ancestors and q None (tree_drafts finds the
-        ancestors; children ranked by score are point masses)."""
+    def draft(
+        self, d: EagleTreeDrafter, dev: DevicePlan, n: int, st: SamplingTensors | None = None
+    ) -> DraftedTree:
+        """n nodes, without ancestors (tree_drafts finds them) or q (children ranked by score
+        are point masses). With `st`, a coupled row ranks children by their Gumbel-perturbed
+        log-probability (the coupling's guess at the target's token there)."""
         k, s = self.topk, self.scratch_size
         logits, feature = d.roots(dev)  # [B, V], [B, H]
-        logp = logits.log_softmax(-1)
+        noise = _tree_noise(dev, st, self.depth, logits.shape[-1])
+
+        def log_probs(logits: torch.Tensor, level: int) -> torch.Tensor:  # [B, ..., V]
+            """The head's log-probabilities; a coupled row's perturbed by the noise at the
+            level's position and renormalised (so that a child never outscores its parent).
+            The noise of the other rows is 0: the renormalisation leaves them as they were."""
+            logp = logits.log_softmax(-1)
+            if noise is None:
+                return logp
+            shape = (-1,) + (1,) * (logp.dim() - 2) + (logp.shape[-1],)
+            return (logp + noise[:, level].view(shape)).log_softmax(-1)
+
+        logp = log_probs(logits, 0)
         b, device = logp.shape[0], logp.device
         score, token = logp.topk(k)  # [B, k] the newest level's candidates
         scores, tokens, parents = [score], [token], [torch.full_like(token, -1)]
@@ -381,7 +404,7 @@ class DynamicTree:
             ids = token.gather(1, pick)
             inputs = fed.gather(1, pick[..., None].expand(-1, -1, fed.shape[2]))
             children, hidden = d.expand(dev, level, first, ids, inputs, row)
-            child_score, child = children.log_softmax(-1).topk(k)  # [B, k, k]
+            child_score, child = log_probs(children, level).topk(k)  # [B, k, k]
             score = (score.gather(1, pick)[..., None] + child_score).flatten(1)  # [B, k * k]
             token = child.flatten(1)
             parents.append((start + pick).repeat_interleave(k, 1))
@@ -390,10 +413,31 @@ class DynamicTree:
             owner = run[None].expand(b, k).repeat_interleave(k, 1)
             scores.append(score)
             tokens.append(token)
-        best = _best(
+        chosen, node_parents, depths = _best(
             torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1), self.depths, n
         )
-        return *best, None, None
+        return DraftedTree(chosen, node_parents, depths, None, None, noise)
+
+
+@dataclass
+class DraftedTree:
+    tokens: torch.Tensor  # [B, n]
+    parents: torch.Tensor  # [B, n] -1: a child of the root
+    depths: torch.Tensor  # [B, n] from 1
+    ancestors: torch.Tensor | None  # [B, n, n]; None: tree_drafts finds them
+    probs: torch.Tensor | None  # [B, n, V] the q each node was drawn from; None: ranked
+    noise: torch.Tensor | None  # [B, depth + 1, V] the coupling's (Drafts.noise)
+
+
+def _tree_noise(
+    dev: DevicePlan, st: SamplingTensors | None, depth: int, vocab: int
+) -> torch.Tensor | None:
+    """The coupling's noise at a tree's positions base + 1 .. base + 1 + depth, for sampled
+    drafting with coupled rows."""
+    if st is None or st.coupled is None:
+        return None
+    positions = dev.base[:, None] + 1 + torch.arange(depth + 1, device=dev.base.device)
+    return coupling_noise(st.seeds, positions, vocab, st.coupled)
 
 
 def _best(scores, tokens, parents, depths, n: int):

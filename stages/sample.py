@@ -15,6 +15,7 @@ from stages.history import TokenHistory
 from stages.sampling import (
     PenaltyState,
     chain_verify,
+    couple,
     logprobs,
     process_logits,
     sample,
@@ -35,6 +36,9 @@ class SampleStage:
             return self._tree(plan, dev, out, drafts, penalties)
         draft_tokens = drafts.tokens if plan.k else None
         probs = process_logits(out.logits, st, penalties, draft_tokens)  # [B, W, V]
+        if st.coupled is not None:  # row j: position first + j
+            offsets = torch.arange(plan.width, device=first.device).expand(plan.batch_size, -1)
+            probs = couple(probs, st, first, offsets, plan.k, drafts.noise)
         if plan.k:
             tokens, accepted = chain_verify(
                 probs, drafts.tokens, drafts.probs, dev.num_drafts, st.seeds, first, st.all_greedy
@@ -59,8 +63,11 @@ class SampleStage:
         """The tree rule; tokens padded to [B, W] like a chain's."""
         st = plan.sampling
         probs = _tree_probs(out.logits, st, penalties, drafts)
-        assert drafts.parents is not None
+        assert drafts.parents is not None and drafts.depths is not None
         first = dev.base + 1
+        if st.coupled is not None:  # the root's row: position first; node i's: first + depth_i
+            offsets = F.pad(drafts.depths, (1, 0))
+            probs = couple(probs, st, first, offsets, drafts.depth, drafts.noise)
         tokens, accepted, path = tree_verify(
             probs,
             drafts.tokens,

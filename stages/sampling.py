@@ -6,7 +6,15 @@ emitted at position P always comes from `sample(p, seed, P, SALT_SAMPLE)`; with 
 drafts (argmax, n-gram, a greedy or dynamic tree's children) the acceptance rule is realised
 through that very sample, so speculation then emits the same tokens as plain decoding with the
 same seed. Drafts drawn from the drafter's q (sampled chains and fixed trees) keep p's law but
-not those very tokens.
+not those very tokens: the rejection rule, used for requests without a seed.
+
+Requests with a seed draw by a coupling instead (`couple`): the token emitted at position P is
+argmax_v log p(v) + G(seed, P, v), Gumbel noise keyed by the token id too (the Gumbel-max
+trick: a draw of p), so it depends on nothing but p, the seed and the position. The sampler
+makes each such row of p a point mass at that token before any acceptance rule, and every rule
+then accepts exactly the drafts equal to it and emits it: speculation, whatever k, tree or
+batch, emits plain decoding's tokens. Drafters propose argmax_v log q(v) + G with the same
+noise, which the target then accepts with probability at least (1 - TV) / (1 + TV).
 
 A token's position is the index it takes in the request's sequence (prompt + output), so the
 first output token of a prompt of length L has position L.
@@ -184,6 +192,73 @@ def _python_uniforms(states: list[Words], positions: torch.Tensor) -> torch.Tens
         row_states = state.tolist()
         values.append([one(row_states[i // per_row], p) for i, p in enumerate(flat)])
     return torch.tensor(values, dtype=torch.float64).view(len(states), *positions.shape)
+
+
+# ---- the seeded coupling ----
+
+SALT_COUPLING = 3  # the coupling's noise
+
+
+def coupling_noise(
+    seeds: torch.Tensor,  # [B] int64
+    positions: torch.Tensor,  # [B, S] int64
+    vocab: int,
+    rows: torch.Tensor | None = None,  # [B] bool: the rows that need noise (None: all)
+) -> torch.Tensor:
+    """[B, S, vocab] float32 standard Gumbel noise G(seed, position, token id), a pure function
+    of the three (a wider vocabulary extends the same noise; rows not asked for are 0).
+
+    On the CPU each (seed, position) keys a PCG64 stream whose token-id-th number is the
+    token's uniform: one vectorised draw per stream. On a device, the murmur3 hash of (seed,
+    position, token id), computed there (no host sync)."""
+    b, s = positions.shape
+    if positions.device.type in HOST_HASH_DEVICES:
+        u = np.zeros((b, s, vocab), np.float32)
+        wanted = range(b) if rows is None else rows.nonzero().flatten().tolist()
+        seeds64 = [x % 2**64 for x in seeds.tolist()]
+        places = positions.tolist()
+        for i in wanted:
+            for j, position in enumerate(places[i]):
+                stream = np.random.PCG64([seeds64[i], position, SALT_COUPLING])
+                u[i, j] = np.random.Generator(stream).random(vocab, dtype=np.float32)
+        # [0, 1) in steps of 2^-24, moved to the open interval
+        uniform_ = torch.from_numpy(u).double() + 2.0**-25
+    else:
+        h = _seed_state(seeds.long(), SALT_COUPLING, False)[:, None]  # [B, 1]
+        for word in _words(positions.long()):
+            h = _mix(h, word)
+        tokens = torch.arange(vocab, device=positions.device)
+        h = _finish(_mix(h[..., None], tokens), 5)  # [B, S, V]
+        uniform_ = (h.double() + 0.5) * 2.0**-32
+    noise = (-torch.log(-torch.log(uniform_))).float()
+    return noise if rows is None else noise * rows[:, None, None]
+
+
+def perturbed_argmax(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """[...] the Gumbel-max token of probs [..., V] under noise [..., >= V]."""
+    return (probs.log() + noise[..., : probs.shape[-1]]).argmax(-1)
+
+
+def couple(
+    probs: torch.Tensor,  # [B, R, V] row r: the distribution at position first + offsets[:, r]
+    st: SamplingTensors,
+    first: torch.Tensor,  # [B]
+    offsets: torch.Tensor,  # [B, R] int64 in 0..depth
+    depth: int,
+    noise: torch.Tensor | None = None,  # [B, depth + 1, V'] drawn already for first + 0..depth
+) -> torch.Tensor:
+    """probs with each coupled row's distributions made point masses at their Gumbel-max token
+    (the token the coupling emits there); the other rows as they were. `noise` (a drafter's,
+    over its vocabulary) is drawn again when it does not cover the target's."""
+    if st.coupled is None:
+        return probs
+    b, r, v = probs.shape
+    if noise is None or noise.shape[-1] < v:
+        positions = first[:, None] + torch.arange(depth + 1, device=first.device)
+        noise = coupling_noise(st.seeds, positions, v, st.coupled)
+    rows = noise[..., :v].gather(1, offsets[..., None].expand(b, r, v))  # [B, R, V]
+    point = _one_hot(perturbed_argmax(probs, rows), v, probs.dtype)
+    return torch.where(st.coupled[:, None, None], point, probs)
 
 
 # ---- logits processing ----

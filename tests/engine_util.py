@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 from collections.abc import AsyncIterator
+from pathlib import Path
 
+from engine.builder import DEMO_DIR
 from engine.config import EngineConfig, KVConfig, SpecConfig
 from engine.engine import AsyncEngine
 from engine.request import Delta, SamplingParams
+from models.tokenizer import Tokenizer
 
 
 def make_config(target, method="none", draft=None, k=3, pages=256, page_size=4, spec_kw=None, **kw):
@@ -51,3 +55,13 @@ async def staggered(engine: AsyncEngine, prompts, params: SamplingParams, seed: 
         return token_ids(await engine.generate(prompt, params))
 
     return await asyncio.gather(*(one(p) for p in prompts))
+
+
+HELDOUT = Path(__file__).resolve().parent.parent / "train" / "heldout_prompts.json"
+
+
+def heldout(n: int) -> list[list[int]]:
+    """The first n held-out chat prompts, as the demo tokenizer's ids."""
+    tokenizer = Tokenizer(DEMO_DIR / "target")
+    texts = [p["text"] for p in json.loads(HELDOUT.read_text())[:n]]
+    return [tokenizer.encode(t) for t in texts]

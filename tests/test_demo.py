@@ -3,9 +3,6 @@ to the rounding differences between the verify path and the one-token decode pat
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 import transformers
@@ -15,18 +12,10 @@ from engine.config import EngineConfig, KVConfig, SpecConfig
 from engine.request import SamplingParams
 from engine.trace import Tracer
 from models.loader import load_model
-from models.tokenizer import Tokenizer
-from tests.engine_util import running, token_ids
+from tests.engine_util import heldout, running, token_ids
 from tests.paged import PagedRunner
 
-PROMPTS = Path(__file__).resolve().parent.parent / "train" / "heldout_prompts.json"
 NEW_TOKENS = 32
-
-
-def heldout(n: int) -> list[list[int]]:
-    tokenizer = Tokenizer(DEMO_DIR / "target")
-    texts = [p["text"] for p in json.loads(PROMPTS.read_text())[:n]]
-    return [tokenizer.encode(t) for t in texts]
 
 
 @pytest.mark.parametrize("name", ["target", "draft"])

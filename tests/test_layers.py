@@ -70,3 +70,21 @@ def test_the_check_sees_a_crossing_inside_a_function(tmp_path):
         ("models/llama.py", "stages.plan"),
         ("core/step.py", "kv.table"),
     }
+
+
+def test_no_test_module_imports_another():
+    """Shared test code lives in helper modules (tests/*.py not named test_*) and conftest."""
+    found = set()
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            found |= {
+                (path.relative_to(ROOT).as_posix(), name)
+                for name in names
+                if name.startswith("tests.") and name.split(".")[-1].startswith("test_")
+            }
+    assert found == set()

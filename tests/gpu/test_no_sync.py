@@ -8,18 +8,19 @@ a step's tokens (a synchronising copy by design) waits until no guarded stage ru
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
 import torch
 
-from engine.engine import AsyncEngine
+from core.step import Outcome
+from engine.executor import Executor
 from engine.request import SamplingParams
 from models.loader import load_model
 from models.mtp import save_mtp_head
 from tests.engine_util import make_config, ragged_prompts, running, staggered
-from tests.test_mtp import random_head
-from tests.tiny import write_model
+from tests.tiny import random_mtp_head, write_model
 
 pytestmark = pytest.mark.gpu
 
@@ -28,30 +29,36 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 @pytest.fixture
 def sync_is_an_error(monkeypatch):
+    """A decode step's device stages raise on any host sync; the download (which must sync)
+    never overlaps one of them."""
     lock = threading.Lock()
-    traced, download = AsyncEngine._traced, AsyncEngine._download
+    stage, of = Executor._stage, Outcome.of.__func__
 
-    def stage(self, name, fn, plan):
+    @contextlib.contextmanager
+    def guarded_stage(self, plan, time, name, *args):
         if plan.kind != "decode" or name not in ("draft", "verify", "sample", "refill"):
-            return traced(self, name, fn, plan)
+            with stage(self, plan, time, name, *args) as fields:
+                yield fields
+            return
         with lock:
             torch.cuda.set_sync_debug_mode("error")
             try:
-                return traced(self, name, fn, plan)
+                with stage(self, plan, time, name, *args) as fields:
+                    yield fields
             finally:
                 torch.cuda.set_sync_debug_mode("default")
 
-    def guarded_download(plan):
+    def guarded_download(cls, verdict):
         with lock:
-            return download(plan)
+            return of(cls, verdict)
 
-    monkeypatch.setattr(AsyncEngine, "_traced", stage)
-    monkeypatch.setattr(AsyncEngine, "_download", staticmethod(guarded_download))
+    monkeypatch.setattr(Executor, "_stage", guarded_stage)
+    monkeypatch.setattr(Outcome, "of", classmethod(guarded_download))
 
 
 async def test_one_token_mode_never_syncs_on_cuda(tmp_path, sync_is_an_error):
     target_dir = write_model(tmp_path / "t", seed=0)
-    save_mtp_head(random_head(load_model(target_dir), seed=7), tmp_path / "h")
+    save_mtp_head(random_mtp_head(load_model(target_dir), seed=7), tmp_path / "h")
     prompts = ragged_prompts(8, 300, seed=11)
     plain_config = make_config(target_dir, device="cuda")
     async with running(plain_config) as engine:
