@@ -108,9 +108,7 @@ def build_runners(
         for m in methods
         if not m.is_hf
     }
-    runners: dict[Method, Runner] = {
-        m: EngineRunner(m, c, args.seeded) for m, c in configs.items()
-    }
+    runners: dict[Method, Runner] = {m: EngineRunner(m, c, args.seeded) for m, c in configs.items()}
     hf_methods = [m for m in methods if m.is_hf]
     if hf_methods:
         target, draft = target_dir(args), Path(args.draft_model or DEMO_DIR / "draft")

@@ -213,30 +213,41 @@ def coupling_noise(
     position, token id), computed there (no host sync)."""
     b, s = positions.shape
     if positions.device.type in HOST_HASH_DEVICES:
-        u = np.zeros((b, s, vocab), np.float32)
+        noise = torch.zeros(b, s, vocab)
         wanted = range(b) if rows is None else rows.nonzero().flatten().tolist()
         seeds64 = [x % 2**64 for x in seeds.tolist()]
         places = positions.tolist()
-        for i in wanted:
+        u = np.empty((s, vocab), np.float32)
+        for i in wanted:  # a row at a time: its temporaries stay in the caches
             for j, position in enumerate(places[i]):
-                stream = np.random.PCG64([seeds64[i], position, SALT_COUPLING])
-                u[i, j] = np.random.Generator(stream).random(vocab, dtype=np.float32)
-        # [0, 1) in steps of 2^-24, moved to the open interval
-        uniform_ = torch.from_numpy(u).double() + 2.0**-25
+                stream = np.random.PCG64DXSM([seeds64[i], position, SALT_COUPLING])
+                np.random.Generator(stream).random(vocab, dtype=np.float32, out=u[j])
+            noise[i] = _gumbel(torch.from_numpy(u))
+        return noise
     else:
         h = _seed_state(seeds.long(), SALT_COUPLING, False)[:, None]  # [B, 1]
         for word in _words(positions.long()):
             h = _mix(h, word)
         tokens = torch.arange(vocab, device=positions.device)
         h = _finish(_mix(h[..., None], tokens), 5)  # [B, S, V]
-        uniform_ = (h.double() + 0.5) * 2.0**-32
-    noise = (-torch.log(-torch.log(uniform_))).float()
-    return noise if rows is None else noise * rows[:, None, None]
+        noise = _gumbel((h >> 8).float() * 2.0**-24)
+        return noise if rows is None else noise * rows[:, None, None]
+
+
+def _gumbel(r: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise -log(-log u) from r in [0, 1) in steps of 2^-24 (float32), for u = r +
+    2^-25 in the open interval. Float32 throughout, exactly where it matters: below 1/2,
+    r + 2^-25 is exact; above, -log u is log1p of -(1 - r - 2^-25), also exact, so that the
+    small -log u of u near 1 (the largest noise) keeps its relative precision."""
+    half = r < 0.5
+    below = (r + 2.0**-25).log_().neg_()  # in place: these tensors are a step's largest
+    above = (1 - r).sub_(2.0**-25).neg_().log1p_().neg_()
+    return torch.where(half, below, above, out=below).log_().neg_()
 
 
 def perturbed_argmax(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """[...] the Gumbel-max token of probs [..., V] under noise [..., >= V]."""
-    return (probs.log() + noise[..., : probs.shape[-1]]).argmax(-1)
+    return torch.log(probs).add_(noise[..., : probs.shape[-1]]).argmax(-1)
 
 
 def couple(
@@ -256,9 +267,13 @@ def couple(
     if noise is None or noise.shape[-1] < v:
         positions = first[:, None] + torch.arange(depth + 1, device=first.device)
         noise = coupling_noise(st.seeds, positions, v, st.coupled)
-    rows = noise[..., :v].gather(1, offsets[..., None].expand(b, r, v))  # [B, R, V]
-    point = _one_hot(perturbed_argmax(probs, rows), v, probs.dtype)
-    return torch.where(st.coupled[:, None, None], point, probs)
+    noise = noise[..., :v]
+    if noise.shape[1] != r or not torch.equal(offsets, torch.arange(r).expand(b, r)):
+        noise = noise.gather(1, offsets[..., None].expand(b, r, v))  # [B, R, V] a tree's rows
+    tokens = perturbed_argmax(probs, noise)[..., None]  # [B, R, 1]
+    coupled = st.coupled[:, None, None]
+    kept = torch.where(coupled, 1.0, probs.gather(-1, tokens))  # the others' own values
+    return probs.masked_fill(coupled, 0.0).scatter_(-1, tokens, kept.to(probs.dtype))
 
 
 # ---- logits processing ----
