@@ -516,6 +516,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="draft exactly K tokens every step instead of letting the cost model choose 0..K",
     )
     parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a request's tokens depend on nothing but its own (not on the other requests, "
+        "the number of rows a forward has or prompt chunking): slower, CPU float32 only",
+    )
+    parser.add_argument(
         "--argmax-drafts",
         action="store_true",
         help="chains and fixed trees: draft the drafter's top tokens for sampled requests "
@@ -553,6 +559,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, S
             kv=kv,
             device=a.device,
             attention=a.attention,
+            batch_invariant=a.batch_invariant,
             dtype=a.dtype,
             max_running=a.max_running,
             max_waiting=a.max_waiting,

@@ -104,7 +104,13 @@ def build_runners(
     pages = max(args.batches) * -(-(max_len + 2 * args.k + 8) // PAGE_SIZE) * 2
     kv = KVConfig(page_size=PAGE_SIZE, num_pages=pages)
     configs = {
-        m: EngineConfig(args.model, spec_config(m, args), kv, max_running=max(args.batches))
+        m: EngineConfig(
+            args.model,
+            spec_config(m, args),
+            kv,
+            max_running=max(args.batches),
+            batch_invariant=args.batch_invariant,
+        )
         for m in methods
         if not m.is_hf
     }
@@ -173,6 +179,11 @@ def parse_args(
         default=[*ENGINE_METHODS, *HF_METHODS],
     )
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="the engine's batch-invariant mode (what it costs against the default kernels)",
+    )
     p.add_argument(
         "--seeded",
         action="store_true",

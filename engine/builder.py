@@ -19,10 +19,11 @@ from engine.cost import CostModel, build_cost_model
 from engine.scheduler import Scheduler
 from kv.cache import KVCache
 from kv.pages import PageAllocator
-from models.attention import AttentionBackend, TorchPagedAttention
+from models.attention import AttentionBackend, InvariantAttention, TorchPagedAttention
 from models.eagle import load_eagle_head
 from models.flashinfer_backend import FlashInferBackend
 from models.gguf import packaged_smollm2
+from models.linear import make_batch_invariant
 from models.llama import LlamaModel, prepare_for_inference
 from models.loader import load_model
 from models.mtp import load_mtp_head
@@ -101,9 +102,11 @@ class Builder:
         """Everything the engine runs (on the device's thread: model loading, calibration)."""
         config, spec = self.config, self.config.spec
         attention = ATTENTION_BACKENDS[config.attention](self.device)
+        if config.batch_invariant:
+            attention = InvariantAttention
         model_dir = model_path(config.model)
         model = load_model(model_dir, self.dtype, self.device)
-        prepare_for_inference(model)
+        self.prepare(model)
         max_model_len = config.max_model_len or model.config.max_position_embeddings
         k = spec.num_draft_tokens if spec.enabled else 0
         num_pages = config.kv.num_pages or self._pages_for(model, config.kv.memory_bytes)
@@ -141,6 +144,13 @@ class Builder:
             stages=stages,
             cost=cost,
         )
+
+    def prepare(self, model: Any) -> None:
+        """A loaded model or head made ready to run (fused, packed; batch-invariant linears
+        in that mode)."""
+        prepare_for_inference(model)
+        if self.config.batch_invariant:
+            make_batch_invariant(model)
 
     def cache_for(self, model: Any, num_pages: int) -> KVCache:
         """A KV cache of `num_pages` pages shaped for `model` (a target, draft model or head)."""
@@ -180,7 +190,7 @@ class Builder:
         if spec.method == "draft":
             directory = Path(spec.draft) if spec.draft else DEMO_DIR / "draft"
             model = load_model(directory, self.dtype, self.device)
-            prepare_for_inference(model)
+            self.prepare(model)
             if model.config.vocab_size != target.config.vocab_size:
                 raise ValueError(
                     f"the draft model's vocabulary ({model.config.vocab_size}) differs from the "
@@ -190,7 +200,7 @@ class Builder:
             return DraftModelDrafter(model, cache, attention, rows, sampled)
         if spec.method == "eagle":
             eagle = load_eagle_head(self._head_dir(spec, "eagle", "EAGLE"), target)
-            prepare_for_inference(eagle)  # one layer: a one-layer cache
+            self.prepare(eagle)  # one layer: a one-layer cache
             if spec.tree == "chain":
                 cache = self.cache_for(eagle, num_pages)
                 return EagleDrafter(eagle, cache, attention, rows, sampled)
@@ -210,7 +220,7 @@ class Builder:
             )
         if spec.method == "mtp":
             head = load_mtp_head(self._head_dir(spec, "mtp", "MTP"), target)
-            prepare_for_inference(head)
+            self.prepare(head)
             return MTPDrafter(head, self.cache_for(head, num_pages), attention, rows, sampled)
         raise ValueError(f"speculative method {spec.method!r} is not available yet")
 

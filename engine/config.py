@@ -135,6 +135,10 @@ class EngineConfig:
     kv: KVConfig = field(default_factory=KVConfig)
     device: str = "cpu"
     attention: str = "torch"  # the attention backend of every forward (ATTENTION_BACKENDS)
+    # a row's result depends on nothing but its own tokens: not on the other rows, the number
+    # of rows or how a prompt was chunked (greedy output then equals plain decoding's with no
+    # near-tie exception); slower linears at one row and blocked attention
+    batch_invariant: bool = False
     dtype: str = "float32"  # weights and activations; bfloat16 checkpoints are upcast on CPU
     max_running: int = 64  # bound on requests decoding at once
     max_waiting: int = 256  # bound on the waiting queue; past it submissions are refused
@@ -156,6 +160,8 @@ class EngineConfig:
             raise ValueError(
                 f"unknown attention backend {self.attention!r}; choose from {ATTENTION_BACKENDS}"
             )
+        if self.batch_invariant and self.attention != "torch":
+            raise ValueError("batch-invariant mode runs the torch attention backend only")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         for name in ("max_running", "max_waiting", "max_batch_tokens"):

@@ -99,6 +99,109 @@ class TorchPagedAttention:
         return out if self.dense else out[meta.q_index]
 
 
+INVARIANT_BLOCK = 64  # keys a block of the batch-invariant attention
+INVARIANT_MIN_ROWS = 4  # the CPU's batched product rounds 1 or 2 rows apart from more
+
+
+class InvariantAttention(TorchPagedAttention):
+    """Paged attention whose result for a query depends on nothing but that query and the
+    keys it sees: not on the other sequences, the number of queries, the padding, how a
+    prompt was chunked or where a tree put its nodes (`--batch-invariant`).
+
+    Keys go in blocks of INVARIANT_BLOCK from key 0, every block one product of the same
+    shape; the softmax's sums and the weighted values add up block by block in key order,
+    so that blocks past a query's keys add exact zeros. Each product has at least
+    INVARIANT_MIN_ROWS query rows (zero rows pad). A tree's query sees its keys compacted
+    into position order (the prefix, then its path), as plain decoding lays them out.
+    """
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        store = self.cache.layer_rows(layer)
+        store[self.write_rows[0]] = cast(k, store.dtype)
+        store[self.write_rows[1]] = cast(v, store.dtype)
+        meta = self.meta
+        b, qmax, lmax = meta.num_seqs, meta.max_q, meta.kv_slots.shape[1]
+        hq, d = q.shape[1], q.shape[2]
+        hkv, group = hq // self.group, self.group
+        q_pad = q.new_zeros(b * qmax, hq, d)
+        q_pad[meta.q_index] = q * d**-0.5
+        q_pad = q_pad.view(b, qmax, hkv, group, d).permute(0, 2, 1, 3, 4)  # [B, Hkv, Q, G, D]
+        if meta.mask is None:  # every query's keys are a prefix, in position order
+            torch.index_select(store, 0, self.read_rows, out=self.kv)
+            kv = cast(self.kv, q.dtype).view(2, b, lmax, hkv, d)
+            keys, values = kv.permute(0, 1, 3, 2, 4).unbind(0)  # [B, Hkv, Lmax, D]
+            queries = q_pad.transpose(2, 3).reshape(b, hkv, group * qmax, d)
+            mask = self.mask.expand(b, 1, group * qmax, lmax)
+            out = _blocked_attention(queries, keys, values, mask)  # [B, Hkv, G * Q, D]
+            out = out.view(b, hkv, group, qmax, d).permute(0, 3, 1, 2, 4)
+        else:
+            keys, values, mask = self._compacted(store, q.dtype)  # [B, Hkv, Q, L, D]
+            out = _blocked_attention(q_pad, keys, values, mask)  # [B, Hkv, Q, G, D]
+            out = out.permute(0, 2, 1, 3, 4)
+        return out.reshape(-1, hq, d)[meta.q_index]
+
+    def _compacted(self, store: torch.Tensor, dtype: torch.dtype):
+        """Each query's visible keys moved to the front in key order (a tree's: the prefix,
+        then its path, parents first); keys and values [B, Hkv, Q, Lmax, D] and the mask
+        [B, 1, Q, 1, Lmax]."""
+        meta = self.meta
+        visible = meta.visible()  # [B, Q, Lmax]
+        order = torch.sort((~visible).to(torch.uint8), dim=-1, stable=True).indices
+        slots = meta.kv_slots[:, None].expand_as(order).gather(2, order)  # [B, Q, Lmax]
+        rows = self.cache.key_rows(slots)
+        b, qmax, lmax = slots.shape
+        count = visible.sum(-1, keepdim=True)  # [B, Q, 1]
+        mask = torch.arange(lmax, device=slots.device) < count  # [B, Q, Lmax]
+        ps = self.cache.page_size
+        keys = cast(store[rows.flatten()], dtype).view(b, qmax, lmax, *store.shape[1:])
+        values = cast(store[rows.flatten() + ps], dtype).view(keys.shape)
+        keys, values = keys.permute(0, 3, 1, 2, 4), values.permute(0, 3, 1, 2, 4)
+        return keys, values, mask[:, None, :, None]
+
+
+def _blocked_attention(
+    q: torch.Tensor,  # [..., M, D] scaled queries
+    keys: torch.Tensor,  # [..., L, D]
+    values: torch.Tensor,  # [..., L, D]
+    mask: torch.Tensor,  # [..., M or 1, L] bool, broadcast against the scores
+) -> torch.Tensor:
+    """softmax(q k^T) v over the visible keys, in fixed-shape blocks (InvariantAttention)."""
+    rows, length = q.shape[-2], keys.shape[-2]
+    extra = max(0, INVARIANT_MIN_ROWS - rows)
+    if extra:
+        q = torch.cat([q, q.new_zeros(*q.shape[:-2], extra, q.shape[-1])], -2)
+        mask = mask.expand(*mask.shape[:-2], rows, length)
+        mask = torch.cat([mask, mask.new_zeros(*mask.shape[:-2], extra, length)], -2)
+    blocks = range(0, length, INVARIANT_BLOCK)
+    scores = []
+    for start in blocks:
+        key = _padded(keys[..., start : start + INVARIANT_BLOCK, :], INVARIANT_BLOCK)
+        seen = _padded(mask[..., start : start + INVARIANT_BLOCK], INVARIANT_BLOCK)
+        scores.append(torch.matmul(q, key.transpose(-1, -2)).masked_fill(~seen, float("-inf")))
+    top = torch.stack([s.amax(-1) for s in scores]).amax(0)[..., None]  # exact
+    top = top.masked_fill(top == float("-inf"), 0.0)  # rows that see nothing: padding
+    total = out = None
+    for start, s in zip(blocks, scores, strict=True):
+        e = (s - top).exp()
+        value = _padded(values[..., start : start + INVARIANT_BLOCK, :], INVARIANT_BLOCK)
+        part, weighted = e.sum(-1, keepdim=True), torch.matmul(e, value)
+        total = part if total is None else total + part
+        out = weighted if out is None else out + weighted
+    assert total is not None and out is not None
+    return (out / total)[..., :rows, :]
+
+
+def _padded(x: torch.Tensor, size: int) -> torch.Tensor:
+    """x padded with zeros (False) along its keys (dim -2; a mask's: dim -1) to `size`."""
+    dim = -1 if x.dtype == torch.bool else -2
+    missing = size - x.shape[dim]
+    if not missing:
+        return x
+    return F.pad(x, [0, missing] if dim == -1 else [0, 0, 0, missing])
+
+
 def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x in `dtype`; a tensor already in it costs no call (layers make several a forward)."""
     return x if x.dtype == dtype else x.to(dtype)

@@ -72,6 +72,20 @@ class PackedLinear(nn.Module):
         return self(x).split_with_sizes(self.sizes, -1)  # (Tensor.split wraps it in Python)
 
 
+def make_batch_invariant(module: nn.Module) -> None:
+    """Every PackedLinear below `module` takes oneDNN's packed product for one row too: its
+    result for a row is then the same bits whatever the number of rows (MKL's one-row
+    product rounds differently), which `--batch-invariant` needs."""
+    for sub in module.modules():
+        if isinstance(sub, PackedLinear):
+            if sub.packed is None:
+                raise ValueError(
+                    "batch-invariant mode needs float32 weights on a CPU with oneDNN "
+                    f"(got {sub.weight.dtype} on {sub.weight.device})"
+                )
+            sub.one_row_packed = True
+
+
 def pack_linears(module: nn.Module, skip: Collection[nn.Module] = ()) -> None:
     """Swap every plain nn.Linear below `module` (but those in `skip`) for a PackedLinear."""
     for parent in list(module.modules()):

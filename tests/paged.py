@@ -9,16 +9,24 @@ import torch
 from kv.cache import KVCache
 from kv.pages import PageAllocator
 from kv.table import PageTable, build_csr
-from models.attention import TorchPagedAttention, paged_metadata
+from models.attention import AttentionBackend, TorchPagedAttention, paged_metadata
 from models.llama import LlamaModel
 
 
 class PagedRunner:
     """Runs steps of a batch through the paged cache, pages handed out in a shuffled order."""
 
-    def __init__(self, model: LlamaModel, num_seqs: int, page_size: int = 4, num_pages: int = 48):
+    def __init__(
+        self,
+        model: LlamaModel,
+        num_seqs: int,
+        page_size: int = 4,
+        num_pages: int = 48,
+        attention: AttentionBackend = TorchPagedAttention,
+    ):
         cfg = model.config
         self.model = model
+        self.attention = attention
         self.cache = KVCache(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         self.free = torch.randperm(num_pages).tolist()
         self.tables = [PageTable(page_size) for _ in range(num_seqs)]
@@ -51,7 +59,7 @@ class PagedRunner:
             max_q=max(len(c) for c in chunks),
             max_kv=max(kv_lens),
         )
-        attn = TorchPagedAttention(meta, self.cache, self.model.config.num_heads)
+        attn = self.attention(meta, self.cache, self.model.config.num_heads)
         ids = torch.tensor([t for c in chunks for t in c])
         with torch.no_grad():
             hidden, _ = self.model(ids, ints(positions), attn)

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from models.eagle import EagleHead
 from models.llama import LlamaConfig, LlamaModel
-from models.loader import save_pretrained
+from models.loader import load_model, save_pretrained
 from models.mtp import MTPHead
 
 TEXT = [
@@ -107,3 +107,20 @@ def randomize(module: torch.nn.Module, seed: int, scale: float) -> None:
         for name, p in module.named_parameters():
             if "norm" not in name:
                 p.copy_(torch.randn(p.shape, generator=generator) * scale / p.shape[-1] ** 0.5)
+
+
+def write_near_tie_model(directory: Path, seed: int = 0, gap: float = 1e-6) -> Path:
+    """A random model whose tokens come in pairs with almost the same lm_head row (relative
+    difference `gap`): at nearly every step the top two logits lie within rounding of each
+    other, so that a forward that rounds differently (a verify of k + 1 rows against a
+    one-row decode) picks the other token of the pair."""
+    write_model(directory, seed=seed)
+    model = load_model(directory)
+    weight = model.lm_head.weight
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        twin = weight[0::2][: weight[1::2].shape[0]]
+        noise = torch.randn(twin.shape, generator=generator)
+        weight[1::2] = twin * (1 + gap * noise)
+    save_pretrained(model, directory, dtype=torch.float32)
+    return directory
