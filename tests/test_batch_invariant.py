@@ -17,7 +17,7 @@ from models.linear import make_batch_invariant
 from models.llama import prepare_for_inference
 from models.loader import load_model
 from models.mtp import save_mtp_head
-from tests.engine_util import make_config, ragged_prompts, running, staggered
+from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
 from tests.paged import PagedRunner
 from tests.tiny import random_eagle_head, random_mtp_head, write_model, write_near_tie_model
 
@@ -86,6 +86,8 @@ async def test_greedy_and_seeded_output_equal_plain_decoding_exactly(
     method, kind, k, spec = DRAFTERS[drafter]
     cfg = config(target, method, drafts.get(kind) if kind else None, k=k, **spec)
     async with running(cfg) as engine:
+        alone = token_ids(await engine.generate(prompts[3], SEEDED))
+        assert alone == plain["seeded"][3]  # alone, and in the batch next
         assert await staggered(engine, prompts, GREEDY, seed=5) == plain["greedy"]
         assert await staggered(engine, prompts, SEEDED, seed=6) == plain["seeded"]
     # few pages: preemption recomputes requests from their tokens, in other chunks
