@@ -105,10 +105,6 @@ class SamplingTensors:
     any_top_k_or_p: bool = True  # among the sampled rows
     any_min_p: bool = True  # among the sampled rows
 
-    @property
-    def any_coupled(self) -> bool:
-        return self.coupled is not None
-
     @classmethod
     def build(
         cls,

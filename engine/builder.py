@@ -101,9 +101,10 @@ class Builder:
     def build(self) -> Built:
         """Everything the engine runs (on the device's thread: model loading, calibration)."""
         config, spec = self.config, self.config.spec
-        attention = ATTENTION_BACKENDS[config.attention](self.device)
-        if config.batch_invariant:
-            attention = InvariantAttention
+        if config.batch_invariant:  # the config allows it with the torch backend only
+            attention: AttentionBackend = InvariantAttention
+        else:
+            attention = ATTENTION_BACKENDS[config.attention](self.device)
         model_dir = model_path(config.model)
         model = load_model(model_dir, self.dtype, self.device)
         self.prepare(model)

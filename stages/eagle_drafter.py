@@ -244,6 +244,29 @@ class EagleTreeDrafter(EagleDrafter):
         return shared["tree keys"]
 
 
+@dataclass
+class DraftedTree:
+    """What a tree shape drafts for a step, before num_drafts trims it."""
+
+    tokens: torch.Tensor  # [B, n]
+    parents: torch.Tensor  # [B, n] -1: a child of the root
+    depths: torch.Tensor  # [B, n] from 1
+    ancestors: torch.Tensor | None  # [B, n, n]; None: tree_drafts finds them
+    probs: torch.Tensor | None  # [B, n, V] the q each node was drawn from; None: ranked
+    noise: torch.Tensor | None  # [B, depth + 1, V] the coupling's (Drafts.noise)
+
+
+def _tree_noise(
+    dev: DevicePlan, st: SamplingTensors | None, depth: int, vocab: int
+) -> torch.Tensor | None:
+    """The coupling's noise at a tree's positions base + 1 .. base + 1 + depth, for sampled
+    drafting with coupled rows."""
+    if st is None or st.coupled is None:
+        return None
+    positions = dev.base[:, None] + 1 + torch.arange(depth + 1, device=dev.base.device)
+    return coupling_noise(st.seeds, positions, vocab, st.coupled)
+
+
 class FixedTree:
     """A fixed tree given as paths of child ranks (Medusa / EAGLE style): path (0, 2) is the
     third-best child of the root's best child. Nodes are ordered by depth, then path, so that
@@ -378,7 +401,8 @@ class DynamicTree:
         def log_probs(logits: torch.Tensor, level: int) -> torch.Tensor:  # [B, ..., V]
             """The head's log-probabilities; a coupled row's perturbed by the noise at the
             level's position and renormalised (so that a child never outscores its parent).
-            The noise of the other rows is 0: the renormalisation leaves them as they were."""
+            The other rows' noise is 0: renormalising changes them only by rounding (any
+            ranking of point-mass children is lossless)."""
             logp = logits.log_softmax(-1)
             if noise is None:
                 return logp
@@ -417,27 +441,6 @@ class DynamicTree:
             torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1), self.depths, n
         )
         return DraftedTree(chosen, node_parents, depths, None, None, noise)
-
-
-@dataclass
-class DraftedTree:
-    tokens: torch.Tensor  # [B, n]
-    parents: torch.Tensor  # [B, n] -1: a child of the root
-    depths: torch.Tensor  # [B, n] from 1
-    ancestors: torch.Tensor | None  # [B, n, n]; None: tree_drafts finds them
-    probs: torch.Tensor | None  # [B, n, V] the q each node was drawn from; None: ranked
-    noise: torch.Tensor | None  # [B, depth + 1, V] the coupling's (Drafts.noise)
-
-
-def _tree_noise(
-    dev: DevicePlan, st: SamplingTensors | None, depth: int, vocab: int
-) -> torch.Tensor | None:
-    """The coupling's noise at a tree's positions base + 1 .. base + 1 + depth, for sampled
-    drafting with coupled rows."""
-    if st is None or st.coupled is None:
-        return None
-    positions = dev.base[:, None] + 1 + torch.arange(depth + 1, device=dev.base.device)
-    return coupling_noise(st.seeds, positions, vocab, st.coupled)
 
 
 def _best(scores, tokens, parents, depths, n: int):

@@ -37,8 +37,7 @@ class SampleStage:
         draft_tokens = drafts.tokens if plan.k else None
         probs = process_logits(out.logits, st, penalties, draft_tokens)  # [B, W, V]
         if st.coupled is not None:  # row j: position first + j
-            offsets = torch.arange(plan.width, device=first.device).expand(plan.batch_size, -1)
-            probs = couple(probs, st, first, offsets, plan.k, drafts.noise)
+            probs = couple(probs, st, first, None, plan.k, drafts.noise)
         if plan.k:
             tokens, accepted = chain_verify(
                 probs, drafts.tokens, drafts.probs, dev.num_drafts, st.seeds, first, st.all_greedy

@@ -254,13 +254,13 @@ def couple(
     probs: torch.Tensor,  # [B, R, V] row r: the distribution at position first + offsets[:, r]
     st: SamplingTensors,
     first: torch.Tensor,  # [B]
-    offsets: torch.Tensor,  # [B, R] int64 in 0..depth
+    offsets: torch.Tensor | None,  # [B, R] int64 in 0..depth (a tree's); None: 0 .. R - 1
     depth: int,
     noise: torch.Tensor | None = None,  # [B, depth + 1, V'] drawn already for first + 0..depth
 ) -> torch.Tensor:
     """probs with each coupled row's distributions made point masses at their Gumbel-max token
     (the token the coupling emits there); the other rows as they were. `noise` (a drafter's,
-    over its vocabulary) is drawn again when it does not cover the target's."""
+    over its vocabulary) is drawn again when it does not cover the target's. No host sync."""
     if st.coupled is None:
         return probs
     b, r, v = probs.shape
@@ -268,8 +268,8 @@ def couple(
         positions = first[:, None] + torch.arange(depth + 1, device=first.device)
         noise = coupling_noise(st.seeds, positions, v, st.coupled)
     noise = noise[..., :v]
-    if noise.shape[1] != r or not torch.equal(offsets, torch.arange(r).expand(b, r)):
-        noise = noise.gather(1, offsets[..., None].expand(b, r, v))  # [B, R, V] a tree's rows
+    if offsets is not None:  # a tree's rows: each node's depth picks its position's noise
+        noise = noise.gather(1, offsets[..., None].expand(b, r, v))  # [B, R, V]
     tokens = perturbed_argmax(probs, noise)[..., None]  # [B, R, 1]
     coupled = st.coupled[:, None, None]
     kept = torch.where(coupled, 1.0, probs.gather(-1, tokens))  # the others' own values

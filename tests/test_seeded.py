@@ -140,7 +140,7 @@ P = torch.tensor([0.3, 0.25, 0.0, 0.2, 0.15, 0.1], dtype=torch.float64)
 def coupled_draws(probs: torch.Tensor, n: int) -> torch.Tensor:
     st = SamplingTensors.build([params(1)] * n, list(range(n)), "cpu")
     rows = probs.expand(n, 1, -1).clone()
-    coupled = couple(rows, st, torch.full((n,), 11), torch.zeros(n, 1, dtype=torch.long), 0)
+    coupled = couple(rows, st, torch.full((n,), 11), None, 0)
     assert torch.all(coupled.sum(-1) == 1) and torch.all(coupled.max(-1).values == 1)
     return coupled[:, 0].argmax(-1)
 
@@ -165,7 +165,7 @@ def test_a_chain_accepts_exactly_the_drafts_equal_to_the_coupled_token():
     first = torch.full((n,), 11)
     noise = coupling_noise(st.seeds, first[:, None] + torch.arange(2), vocab)
     draft = perturbed_argmax(q.expand(n, -1), noise[:, 0])  # [n]
-    target = couple(P.expand(n, 2, -1).clone(), st, first, torch.arange(2).expand(n, 2), 1)
+    target = couple(P.expand(n, 2, -1).clone(), st, first, None, 1)
     tokens, accepted = chain_verify(
         target,
         draft[:, None],
