@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from core.attention import AttentionMetadata
 from kv.cache import KVCache
+from models import native
 
 
 class Attention(Protocol):
@@ -41,11 +42,23 @@ class TorchPagedAttention:
     values, and SDPA.
     """
 
+    # forwards of at most this many queries a sequence (decodes, verifies, trees) attend
+    # through the native kernel where it built, reading keys where the cache keeps them;
+    # longer ones (prefill chunks) through SDPA, whose blocked products are faster there
+    native_max_q = 32
+
     def __init__(self, meta: AttentionMetadata, cache: KVCache, num_q_heads: int):
         self.meta = meta
         self.cache = cache
         ps = cache.page_size
         write = cache.key_rows(meta.slot_mapping)  # [T]
+        self.kernel: native.PagedAttention | None = None
+        if meta.max_q <= self.native_max_q and native.attention_usable(cache.data, cache.head_dim):
+            self.kernel = native.PagedAttention(
+                ps, write, self._key_rows(meta, cache), meta.kv_lens, meta.q_index,
+                meta.q_positions, meta.mask,
+            )  # fmt: skip
+            return
         self.write_rows = (write, write + ps)  # key and value rows
         self.read_rows, self.kv = self._reads(meta, cache)
         group = num_q_heads // cache.num_kv_heads
@@ -63,12 +76,21 @@ class TorchPagedAttention:
         self.dense = meta.q_index.shape[0] == b * qmax
 
     @staticmethod
+    def _key_rows(meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+        """[B, Lmax] row of each key in a layer's rows: shared by every forward over the same
+        keys of caches of the same page size."""
+        key = ("key rows", cache.page_size)
+        if key not in meta.shared:
+            meta.shared[key] = cache.key_rows(meta.kv_slots)
+        return meta.shared[key]
+
+    @staticmethod
     def _reads(meta: AttentionMetadata, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows to gather [2 * B * Lmax], the gather buffer): shared by every forward over
         the same keys of caches of the same page size and row shape."""
         key = ("reads", cache.page_size, cache.num_kv_heads, cache.head_dim, cache.data.dtype)
         if key not in meta.shared:
-            read = cache.key_rows(meta.kv_slots).flatten()  # [B * Lmax]
+            read = TorchPagedAttention._key_rows(meta, cache).flatten()  # [B * Lmax]
             # keys then values; index_select copies whole rows (much faster than x[rows] here)
             rows = torch.cat((read, read + cache.page_size))
             # one gather buffer for all layers (a fresh large tensor per layer costs page faults)
@@ -79,6 +101,8 @@ class TorchPagedAttention:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         store = self.cache.layer_rows(layer)  # [pages * 2 * page_size, Hkv, D]
+        if self.kernel is not None:
+            return self.kernel(q, k, v, store)
         store[self.write_rows[0]] = cast(k, store.dtype)
         store[self.write_rows[1]] = cast(v, store.dtype)
         meta = self.meta
@@ -114,6 +138,8 @@ class InvariantAttention(TorchPagedAttention):
     INVARIANT_MIN_ROWS query rows (zero rows pad). A tree's query sees its keys compacted
     into position order (the prefix, then its path), as plain decoding lays them out.
     """
+
+    native_max_q = 0  # its own blocked products for every forward
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

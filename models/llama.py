@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models import native
 from models.attention import Attention
 from models.linear import PackedLinear, pack_linears
 
@@ -86,8 +87,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.native = False  # through models/kernels.c (prepare_for_inference)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return native.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
@@ -106,6 +110,7 @@ class SelfAttention(nn.Module):
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=False)
         self.qkv: PackedLinear | None = None  # q|k|v fused for inference (prepare_for_inference)
+        self.native = False  # rotary through models/kernels.c (prepare_for_inference)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Attention
@@ -116,7 +121,9 @@ class SelfAttention(nn.Module):
         else:
             qk, v = self.qkv(x).split_with_sizes((sum(heads) * d, heads[1] * d), -1)
         # q and k rotated as one tensor: half the operations of rotating each
-        q, k = rotate(qk.view(t, sum(heads), d), cos, sin).split_with_sizes(heads, 1)
+        qk = qk.view(t, sum(heads), d)
+        qk = native.rope_(qk, cos, sin) if self.native else rotate(qk, cos, sin)
+        q, k = qk.split_with_sizes(heads, 1)
         v = v.view(t, self.num_kv_heads, d)
         return self.o_proj(attn(self.layer, q, k, v).reshape(t, -1))
 
@@ -128,8 +135,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up: PackedLinear | None = None  # gate|up fused for inference
+        self.native = False  # silu(gate) * up through models/kernels.c
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            assert self.gate_up is not None
+            return self.down_proj(native.silu_mul(self.gate_up(x)))
         if self.gate_up is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
@@ -155,8 +166,10 @@ class DecoderLayer(nn.Module):
 
 
 def prepare_for_inference(module: nn.Module) -> None:
-    """Fuse q|k|v and gate|up and pack every linear below `module` (models/linear.py); the
-    outputs equal the plain forward's up to float rounding. Inference only: no backward."""
+    """Fuse q|k|v and gate|up and pack every linear below `module` (models/linear.py), and
+    run norms, rotary and silu(gate) * up through the native kernels where they can
+    (models/native.py); the outputs equal the plain forward's up to float rounding.
+    Inference only: no backward."""
     fused: set[nn.Module] = set()
     for sub in list(module.modules()):
         if isinstance(sub, SelfAttention) and sub.qkv is None:
@@ -166,6 +179,9 @@ def prepare_for_inference(module: nn.Module) -> None:
             sub.gate_up = PackedLinear([sub.gate_proj, sub.up_proj])
             fused |= {sub.gate_proj, sub.up_proj}
     pack_linears(module, skip=fused)
+    for sub in module.modules():
+        if isinstance(sub, RMSNorm | SelfAttention | MLP):
+            sub.native = native.usable(*sub.parameters())
 
 
 class Rotary(nn.Module):

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Create .venv with the CPU torch wheel and the project with its dev extra. Reruns are quick:
-# the install is redone only when pyproject.toml or this script changes.
+# the install is redone only when pyproject.toml, setup.py, the native kernels or this script
+# change.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 stamp=.venv/.tandem-installed
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d" " -f1)
+want=$(cat pyproject.toml setup.py models/kernels.c scripts/setup.sh | sha256sum | cut -d" " -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     .venv/bin/pip install --quiet --upgrade pip
     # pinned: this is the CPU build; an unpinned torch pulls a multi-GB CUDA build

@@ -1,4 +1,5 @@
-"""The torch paged attention against a dense float64 reference, and KVCache.move.
+"""The CPU paged attention (its SDPA path and its native kernel) against a dense float64
+reference, and KVCache.move.
 
 Each case builds page tables through the allocator (pages handed out in a shuffled order, so a
 sequence's pages are not contiguous), fills the cache with noise (a read of a wrong slot shows),
@@ -16,11 +17,24 @@ import torch
 
 from kv.cache import KVCache
 from kv.table import PageTable
+from models import native
 from models.attention import TorchPagedAttention
 from tests.attention_cases import CASES, NUM_PAGES, Batch, Seq
 from tests.paged import shuffled_allocator
 
-LAYERS, HEAD_DIM = 2, 8
+LAYERS, HEAD_DIM = 2, 16  # the native kernel takes whole 16-float vectors a head
+
+
+@pytest.fixture(autouse=True, params=["sdpa", "native"])
+def path(request, monkeypatch):
+    """Every case through both paths of TorchPagedAttention."""
+    if request.param == "sdpa":
+        monkeypatch.setattr(TorchPagedAttention, "native_max_q", 0)
+    elif not native.available():
+        pytest.skip("the native kernels did not build (tests/test_native.py says why)")
+    else:
+        monkeypatch.setattr(TorchPagedAttention, "native_max_q", 1 << 30)
+    return request.param
 
 
 def reference(q, keys, values, mask):
@@ -59,6 +73,7 @@ def run_case(seqs: list[Seq], page_size: int, num_q_heads: int, num_kv_heads: in
     new = [j for b, s in enumerate(seqs) for j in range(bounds[b] + s.context, bounds[b + 1])]
 
     attn = TorchPagedAttention(batch.metadata(), cache, num_q_heads)
+    assert (attn.kernel is not None) == (TorchPagedAttention.native_max_q > 0)
     written = cache.key_rows(torch.tensor(batch.slots))
     for layer in range(LAYERS):
         q = torch.randn(batch.num_tokens, num_q_heads, HEAD_DIM, generator=gen)

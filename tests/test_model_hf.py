@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from models.attention import CausalAttention
+from models.llama import prepare_for_inference
 from models.loader import checkpoint_dtype, load_model, read_config, read_safetensors
 from tests.paged import PagedRunner
 
@@ -64,11 +65,16 @@ def random_chunks(lengths: list[int]) -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,)).tolist() for n in lengths]
 
 
+@pytest.mark.parametrize("prepared", [False, True], ids=["plain", "inference-kernels"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_paged_prefill_decode_verify_match_transformers(tmp_path, arch):
+def test_paged_prefill_decode_verify_match_transformers(tmp_path, arch, prepared):
+    """Plain modules, and the engine's default kernels (fused packed linears; the native
+    norms, rotary, silu and attention where they built)."""
     reference = hf_model(arch)
     reference.save_pretrained(tmp_path)
     model = load_model(tmp_path)
+    if prepared:
+        prepare_for_inference(model)
     runner = PagedRunner(model, num_seqs=3)
     # ragged prefill (lengths end mid-page), three batched decodes, two verify chunks
     schedule = [[7, 3, 10]] + [[1, 1, 1]] * 3 + [[3, 5, 4], [5, 4, 3]]

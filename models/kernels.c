@@ -1,0 +1,438 @@
+/* Fused CPU kernels for the forward's small operations (float32, one thread each).
+ *
+ * A decode forward of a small model issues about a thousand small torch operations, each of
+ * which costs microseconds of dispatch for a few hundred floats of work; these kernels do each
+ * group of them in one call: an RMSNorm, the rotary embedding of q and k, silu(gate) * up, and
+ * the paged attention of a few queries a sequence that reads keys and values where the cache
+ * keeps them (instead of gathering them into a fresh buffer per layer).
+ *
+ * The caller (models/native.py) passes tensors as data pointers and guarantees their shapes,
+ * dtypes and contiguity; nothing here allocates Python objects or touches torch. Loops are
+ * written on 16-lane vectors (or as `omp simd` loops without reductions); every reduction
+ * runs in a fixed order, so a row's result depends only on that row. The attention's threads are an OpenMP
+ * team: the process's libgomp is torch's (the same soname, loaded first), so they are the
+ * threads torch's own operations use.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- argument parsing: every argument is an int (a pointer or a size) or a float ---- */
+
+static int ints(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, int64_t *out) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "expected %zd arguments, got %zd", want, nargs);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        if (PyFloat_Check(args[i])) {
+            double d = PyFloat_AsDouble(args[i]);
+            memcpy(&out[i], &d, sizeof d); /* a float travels bit for bit */
+        } else {
+            out[i] = PyLong_AsLongLong(args[i]);
+            if (out[i] == -1 && PyErr_Occurred()) return -1;
+        }
+    }
+    return 0;
+}
+
+static double as_double(int64_t bits) {
+    double d;
+    memcpy(&d, &bits, sizeof d);
+    return d;
+}
+
+#define PTR(type, v) ((type *)(intptr_t)(v))
+
+/* ---- 16-lane vectors (GCC's vector extensions: AVX-512 registers where there are, pairs of
+ * AVX2 ones elsewhere); every horizontal sum is a fixed tree, so results do not depend on
+ * the machine's vector width ---- */
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *x) {
+    v16 v;
+    memcpy(&v, x, sizeof v);
+    return v;
+}
+
+static inline void store16(float *x, v16 v) { memcpy(x, &v, sizeof v); }
+
+static inline v16 splat(float x) { return (v16){0} + x; }
+
+static inline v16 select16(i16 take_a, v16 a, v16 b) { /* take_a lanes are all ones or zero */
+    return (v16)(((i16)a & take_a) | ((i16)b & ~take_a));
+}
+
+static inline v16 max16(v16 a, v16 b) { return select16(a > b, a, b); }
+
+/* the 16 lanes of x summed: halves, then quarters, ... */
+static inline float hsum16(v16 x) {
+    x += __builtin_shuffle(x, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    x += __builtin_shuffle(x, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    x += __builtin_shuffle(x, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    x += __builtin_shuffle(x, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return x[0];
+}
+
+static inline float hmax16(v16 x) {
+    float m = x[0];
+    for (int i = 1; i < 16; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+/* lane j of the result: the sum of acc[j]'s lanes, all 16 at once (a transposing tree: each
+ * level adds two vectors' halves, quarters, ...; the lanes come out in bit-reversed order) */
+static inline v16 sum16x16(const v16 acc[16]) {
+    const i16 lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const i16 hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const i16 lo2 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const i16 hi2 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    const i16 lo3 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const i16 hi3 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const i16 lo4 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    const i16 hi4 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+    const i16 bit_reversed = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+    v16 x[8], y[4], z[2];
+    for (int i = 0; i < 8; i++)
+        x[i] = __builtin_shuffle(acc[2 * i], acc[2 * i + 1], lo1) +
+               __builtin_shuffle(acc[2 * i], acc[2 * i + 1], hi1);
+    for (int i = 0; i < 4; i++)
+        y[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo2) +
+               __builtin_shuffle(x[2 * i], x[2 * i + 1], hi2);
+    for (int i = 0; i < 2; i++)
+        z[i] = __builtin_shuffle(y[2 * i], y[2 * i + 1], lo3) +
+               __builtin_shuffle(y[2 * i], y[2 * i + 1], hi3);
+    v16 f = __builtin_shuffle(z[0], z[1], lo4) + __builtin_shuffle(z[0], z[1], hi4);
+    return __builtin_shuffle(f, bit_reversed);
+}
+
+/* exp(x) lane by lane: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial
+ * (relative error below 2e-7), 2^n put into the exponent bits; 0 at and below -87 (-inf
+ * included), x capped at 88 (exp(88) = 1.7e38, float32's largest power of e) */
+static inline v16 exp16(v16 x) {
+    i16 tiny = x <= splat(-87.0f);
+    x = select16(tiny, splat(-87.0f), x);
+    x = select16(x > splat(88.0f), splat(88.0f), x);
+    v16 n = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 */
+    v16 r = x - n * 0.693145752f - n * 1.42860677e-6f;
+    v16 poly = 1.0f + r * (1.0f + r * (0.5f + r * (1.66666667e-1f + r * (4.16666667e-2f +
+               r * (8.33333333e-3f + r * 1.38888889e-3f)))));
+    i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
+    return select16(tiny, splat(0.0f), poly * (v16)bits);
+}
+
+static inline float exp1(float x) { return exp16(splat(x))[0]; }
+
+/* ---- RMSNorm: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w ---- */
+
+static void rms_norm_rows(float *out, const float *x, const float *w, int64_t rows, int64_t dim,
+                          float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float *o = out + r * dim;
+        v16 squares = splat(0.0f);
+        int64_t i = 0;
+        for (; i + 16 <= dim; i += 16) squares += load16(xr + i) * load16(xr + i);
+        float ss = hsum16(squares);
+        for (; i < dim; i++) ss += xr[i] * xr[i];
+        float scale = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) o[i] = xr[i] * scale * w[i];
+    }
+}
+
+/* rms_norm(out, x, weight, rows, dim, eps) */
+static PyObject *py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[6];
+    if (ints(args, nargs, 6, a)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rms_norm_rows(PTR(float, a[0]), PTR(const float, a[1]), PTR(const float, a[2]), a[3], a[4],
+                  (float)as_double(a[5]));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* ---- rotary embedding, in place: x = x * cos + rotate_half(x) * sin ----
+ * x [rows, heads, dim] with row stride `stride` floats; cos, sin [rows, dim] with sin's first
+ * half negated (models/llama.py: `rotate`), so rotate_half is a roll by dim / 2. */
+
+static void rope_rows(float *x, const float *cos, const float *sin, int64_t rows, int64_t heads,
+                      int64_t dim, int64_t stride) {
+    int64_t half = dim / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos + r * dim, *s = sin + r * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + r * stride + h * dim;
+            float lo[512];
+            memcpy(lo, v, half * sizeof(float));
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) v[i] = v[i] * c[i] + v[i + half] * s[i];
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++)
+                v[i + half] = v[i + half] * c[i + half] + lo[i] * s[i + half];
+        }
+    }
+}
+
+/* rope(x, cos, sin, rows, heads, dim, row_stride) */
+static PyObject *py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[7];
+    if (ints(args, nargs, 7, a)) return NULL;
+    if (a[5] > 1024 || a[5] % 2) {
+        PyErr_SetString(PyExc_ValueError, "rope: head_dim must be even and at most 1024");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rope_rows(PTR(float, a[0]), PTR(const float, a[1]), PTR(const float, a[2]), a[3], a[4], a[5],
+              a[6]);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* ---- silu(gate) * up: gate_up [rows, 2 * inter] (gate then up), out [rows, inter] ---- */
+
+/* silu_mul(out, gate_up, rows, inter) */
+static PyObject *py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[4];
+    if (ints(args, nargs, 4, a)) return NULL;
+    float *out = PTR(float, a[0]);
+    const float *gu = PTR(const float, a[1]);
+    int64_t rows = a[2], inter = a[3];
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+        int64_t i = 0;
+        for (; i + 16 <= inter; i += 16) {
+            v16 x = load16(g + i);
+            store16(o + i, x / (1.0f + exp16(-x)) * load16(u + i));
+        }
+        for (; i < inter; i++) o[i] = g[i] / (1.0f + exp1(-g[i])) * u[i];
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* ---- paged attention over a few queries a sequence ----
+ *
+ * The store is one layer's rows [pages * 2 * page_size, kv_heads, dim]: a key row r, its value
+ * row r + page_size. The T new tokens' k and v are written first (rows `write_rows`), then
+ * each query attends to the keys its sequence has: key j (row `read_rows[b * lmax + j]`) is
+ * seen when j < kv_lens[b] and j <= the query's position, or, with a tree mask [B, qmax, lmax]
+ * of bytes, where the mask says so. Tokens come sequence by sequence; token t is padded query
+ * q_index[t] = b * qmax + i.
+ *
+ * The work splits into items of (sequence, kv head, CHUNK keys), shared by the threads: an
+ * item reads its keys and values once for every query of its sequence and every q head of
+ * its group, and leaves each row's running max, sum of exponentials and weighted values; the
+ * chunks of a row then merge in key order. A row's result depends only on its query and its
+ * keys, not on the thread count or on the other rows. */
+
+#define CHUNK 128 /* keys an item: small enough that a 512-token decode keeps 2 threads busy */
+
+typedef struct {
+    float *out;             /* [T, hq, dim] */
+    const float *q;         /* [T, hq, dim], rows `q_stride` floats apart */
+    const float *k, *v;     /* [T, hkv, dim], rows `k_stride` and `v_stride` floats apart */
+    float *store;           /* one layer's rows */
+    const int64_t *write_rows, *read_rows, *kv_lens, *q_index, *q_positions;
+    const uint8_t *mask;    /* NULL: causal by position */
+    int64_t tokens, seqs, qmax, lmax, hq, hkv, dim, page_size, q_stride, k_stride, v_stride;
+    float scale;
+} Paged;
+
+static void write_kv(const Paged *p) {
+    int64_t row = p->hkv * p->dim;
+    for (int64_t t = 0; t < p->tokens; t++) {
+        float *key = p->store + p->write_rows[t] * row;
+        memcpy(key, p->k + t * p->k_stride, row * sizeof(float));
+        memcpy(key + p->page_size * row, p->v + t * p->v_stride, row * sizeof(float));
+    }
+}
+
+typedef struct {
+    int64_t b, t0, t1, h, j0, j1; /* sequence, its tokens, kv head, keys */
+    float *part;                  /* per row: max, sum, dim weighted values */
+} Item;
+
+/* one item: rows (t, g) for t in t0..t1, g in the group; scores: [rows, CHUNK] scratch */
+static void attend_chunk(const Paged *p, const Item *it, float *scores) {
+    int64_t group = p->hq / p->hkv, dim = p->dim, row = p->hkv * dim, vecs = dim / 16;
+    int64_t b = it->b, h = it->h, j0 = it->j0, n = it->j1 - it->j0;
+    const int64_t *rows = p->read_rows + b * p->lmax + j0;
+    int64_t nrows = (it->t1 - it->t0) * group, blocks = (n + 15) / 16;
+    /* scores, 16 keys at a time (past the chunk's end: its last key again, then unseen) */
+    for (int64_t k0 = 0; k0 < blocks * 16; k0 += 16) {
+        const float *keys[16];
+        for (int j = 0; j < 16; j++)
+            keys[j] = p->store + rows[k0 + j < n ? k0 + j : n - 1] * row + h * dim;
+        for (int64_t t = it->t0; t < it->t1; t++) {
+            int64_t i = p->q_index[t] - b * p->qmax, pos = p->q_positions[b * p->qmax + i];
+            const uint8_t *seen = p->mask ? p->mask + (b * p->qmax + i) * p->lmax + j0 : NULL;
+            for (int64_t g = 0; g < group; g++) {
+                const float *qv = p->q + t * p->q_stride + (h * group + g) * dim;
+                v16 acc[16];
+                for (int j = 0; j < 16; j++) {
+                    v16 a = load16(qv) * load16(keys[j]);
+                    for (int64_t c = 1; c < vecs; c++)
+                        a += load16(qv + 16 * c) * load16(keys[j] + 16 * c);
+                    acc[j] = a;
+                }
+                float *s = scores + ((t - it->t0) * group + g) * CHUNK + k0;
+                store16(s, sum16x16(acc) * p->scale);
+                for (int64_t j = 0; j < 16; j++) {
+                    int64_t key = k0 + j;
+                    if (key >= n || (seen ? !seen[key] : j0 + key > pos)) s[j] = -INFINITY;
+                }
+            }
+        }
+    }
+    /* each row's max and exponentials */
+    for (int64_t r = 0; r < nrows; r++) {
+        float *s = scores + r * CHUNK, *part = it->part + r * (dim + 2);
+        v16 top = splat(-INFINITY), sum = splat(0.0f);
+        for (int64_t k0 = 0; k0 < blocks * 16; k0 += 16) top = max16(top, load16(s + k0));
+        part[0] = hmax16(top);
+        memset(part + 1, 0, (dim + 1) * sizeof(float));
+        if (part[0] == -INFINITY) continue; /* nothing seen in this chunk */
+        for (int64_t k0 = 0; k0 < blocks * 16; k0 += 16) {
+            v16 e = exp16(load16(s + k0) - part[0]);
+            store16(s + k0, e);
+            sum += e;
+        }
+        part[1] = hsum16(sum);
+    }
+    /* each row's exponential-weighted values, in key order */
+    for (int64_t r = 0; r < nrows; r++) {
+        float *part = it->part + r * (dim + 2);
+        const float *w = scores + r * CHUNK;
+        if (part[0] == -INFINITY) continue;
+        for (int64_t c = 0; c < vecs; c++) {
+            v16 o = splat(0.0f);
+            for (int64_t j = 0; j < n; j++)
+                o += w[j] * load16(p->store + (rows[j] + p->page_size) * row + h * dim + 16 * c);
+            store16(part + 2 + 16 * c, o);
+        }
+    }
+}
+
+/* paged_attention(out, q, k, v, store, write_rows, read_rows, kv_lens, q_index, q_positions,
+ *                 mask, tokens, seqs, qmax, lmax, hq, hkv, dim, page_size, q_stride,
+ *                 k_stride, v_stride, scale, threads) */
+static PyObject *py_paged_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[24];
+    if (ints(args, nargs, 24, a)) return NULL;
+    Paged p = {
+        PTR(float, a[0]), PTR(const float, a[1]), PTR(const float, a[2]), PTR(const float, a[3]),
+        PTR(float, a[4]), PTR(const int64_t, a[5]), PTR(const int64_t, a[6]),
+        PTR(const int64_t, a[7]), PTR(const int64_t, a[8]), PTR(const int64_t, a[9]),
+        PTR(const uint8_t, a[10]), a[11], a[12], a[13], a[14], a[15], a[16], a[17], a[18],
+        a[19], a[20], a[21], (float)as_double(a[22]),
+    };
+    int threads = (int)a[23];
+    if (p.hkv <= 0 || p.hq % p.hkv || p.tokens <= 0 || p.dim % 16) {
+        PyErr_SetString(PyExc_ValueError, "paged_attention: q heads must be a multiple of kv "
+                                          "heads, tokens > 0 and head_dim a multiple of 16");
+        return NULL;
+    }
+    int64_t group = p.hq / p.hkv, dim = p.dim, chunks_max = (p.lmax + CHUNK - 1) / CHUNK;
+    /* items: each sequence's tokens (a run of equal q_index / qmax) x kv heads x key chunks */
+    int64_t n_items = 0, part_floats = 0;
+    Item *items = malloc(sizeof(Item) * p.tokens * p.hkv * (chunks_max ? chunks_max : 1));
+    int64_t *row_part = malloc(sizeof(int64_t) * p.tokens * p.hkv); /* first chunk's part */
+    int64_t *row_chunks = malloc(sizeof(int64_t) * p.tokens * p.hkv);
+    if (!items || !row_part || !row_chunks) {
+        free(items), free(row_part), free(row_chunks);
+        return PyErr_NoMemory();
+    }
+    for (int64_t t0 = 0, t1; t0 < p.tokens; t0 = t1) {
+        int64_t b = p.q_index[t0] / p.qmax, len = p.kv_lens[b];
+        for (t1 = t0 + 1; t1 < p.tokens && p.q_index[t1] / p.qmax == b; t1++) {
+        }
+        int64_t chunks = (len + CHUNK - 1) / CHUNK, rows = (t1 - t0) * group;
+        for (int64_t h = 0; h < p.hkv; h++) {
+            row_part[t0 * p.hkv + h] = part_floats;
+            row_chunks[t0 * p.hkv + h] = chunks;
+            for (int64_t c = 0; c < chunks; c++) {
+                int64_t j1 = (c + 1) * CHUNK < len ? (c + 1) * CHUNK : len;
+                items[n_items++] = (Item){b, t0, t1, h, c * CHUNK, j1, (float *)(intptr_t)part_floats};
+                part_floats += rows * (dim + 2);
+            }
+        }
+    }
+    float *parts = malloc(sizeof(float) * (part_floats ? part_floats : 1));
+    if (!parts) {
+        free(items), free(row_part), free(row_chunks);
+        return PyErr_NoMemory();
+    }
+    for (int64_t i = 0; i < n_items; i++) items[i].part = parts + (intptr_t)items[i].part;
+    int failed = 0;
+    Py_BEGIN_ALLOW_THREADS
+    write_kv(&p);
+#pragma omp parallel num_threads(threads)
+    {
+        float *scores = malloc(sizeof(float) * p.qmax * group * CHUNK);
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < n_items; i++) attend_chunk(&p, &items[i], scores);
+        }
+        free(scores);
+    }
+    /* merge each row's chunks in key order */
+    for (int64_t t0 = 0, t1; !failed && t0 < p.tokens; t0 = t1) {
+        int64_t b = p.q_index[t0] / p.qmax;
+        for (t1 = t0 + 1; t1 < p.tokens && p.q_index[t1] / p.qmax == b; t1++) {
+        }
+        int64_t rows = (t1 - t0) * group;
+        for (int64_t h = 0; h < p.hkv; h++) {
+            const float *first = parts + row_part[t0 * p.hkv + h];
+            int64_t chunks = row_chunks[t0 * p.hkv + h], stride = rows * (dim + 2);
+            for (int64_t r = 0; r < rows; r++) {
+                int64_t t = t0 + r / group, g = r % group;
+                float *o = p.out + t * p.hq * dim + (h * group + g) * dim;
+                float top = -INFINITY, sum = 0.0f;
+                for (int64_t c = 0; c < chunks; c++) {
+                    float m = first[c * stride + r * (dim + 2)];
+                    top = m > top ? m : top;
+                }
+                memset(o, 0, dim * sizeof(float));
+                for (int64_t c = 0; c < chunks; c++) {
+                    const float *part = first + c * stride + r * (dim + 2);
+                    if (part[0] == -INFINITY) continue;
+                    float w = exp1(part[0] - top);
+                    sum += w * part[1];
+                    for (int64_t d = 0; d < dim; d += 16)
+                        store16(o + d, load16(o + d) + w * load16(part + 2 + d));
+                }
+                float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+                for (int64_t d = 0; d < dim; d += 16) store16(o + d, load16(o + d) * inv);
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    free(parts), free(items), free(row_part), free(row_chunks);
+    if (failed) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, "RMSNorm of rows"},
+    {"rope", (PyCFunction)(void (*)(void))py_rope, METH_FASTCALL, "rotary embedding in place"},
+    {"silu_mul", (PyCFunction)(void (*)(void))py_silu_mul, METH_FASTCALL, "silu(gate) * up"},
+    {"paged_attention", (PyCFunction)(void (*)(void))py_paged_attention, METH_FASTCALL,
+     "write k, v into the paged store and attend"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }

@@ -1,0 +1,122 @@
+"""The native CPU kernels (models/kernels.c) as torch functions.
+
+A forward of a small model at batch 1 is mostly small operations: an RMSNorm through torch
+is about ten dispatched operations for 576 floats, the rotary embedding five, a layer's
+attention a gather of its whole context into a fresh buffer plus SDPA. Each function here
+does one of those groups in one call, for float32 tensors on the CPU at inference
+(`prepare_for_inference` turns them on; `available()` says whether they built). Their results
+equal the torch operations' up to float rounding (tests/test_native.py).
+
+The kernels are built by the normal install (setup.py) and are optional: where there is no
+C compiler, or with TANDEM_NATIVE=0 in the environment, the models run their torch path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    from models import _kernels  # type: ignore[attr-defined]
+except ImportError:  # not built: the torch path
+    _kernels = None
+
+DISABLE_ENV = "TANDEM_NATIVE"  # "0": run the torch path even where the kernels built
+
+
+def available() -> bool:
+    return _kernels is not None and os.environ.get(DISABLE_ENV, "1") != "0"
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels can run on these tensors: built, float32 on the CPU."""
+    return available() and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+def attention_usable(cache_data: torch.Tensor, head_dim: int) -> bool:
+    """Whether PagedAttention runs over this cache: float32 on the CPU, whole 16-float
+    vectors a head."""
+    return usable(cache_data) and head_dim % 16 == 0
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """F.rms_norm(x, (H,), weight, eps) for x [..., H]."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    _kernels.rms_norm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.numel() // dim, dim, eps)
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated in place as models.llama.rotate does (cos and sin [T, 1, D],
+    sin's first half negated); x's heads and elements must be contiguous within a row."""
+    t, heads, dim = x.shape
+    if not (_rows_ok(x) and cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError("rope_: each row of x must hold its heads contiguously")
+    _kernels.rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, heads, dim, x.stride(0))
+    return x
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [T, 2I] holding gate then up; [T, I]."""
+    gate_up = gate_up.contiguous()
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(rows, inter)
+    _kernels.silu_mul(out.data_ptr(), gate_up.data_ptr(), rows, inter)
+    return out
+
+
+class PagedAttention:
+    """Paged attention of one forward's tokens (see kernels.c): built once a forward from
+    what every layer shares, then called by each layer with its q, k, v and its rows of the
+    cache; the int64 index tensors are made contiguous once here."""
+
+    def __init__(
+        self,
+        page_size: int,
+        write_rows: torch.Tensor,  # [T], key row each token's k goes to
+        read_rows: torch.Tensor,  # [B, Lmax], key row of each sequence's keys
+        kv_lens: torch.Tensor,  # [B]
+        q_index: torch.Tensor,  # [T], b * Qmax + i, sequence by sequence
+        q_positions: torch.Tensor,  # [B, Qmax]
+        mask: torch.Tensor | None,  # [B, Qmax, Lmax] bool (a tree), else causal by position
+    ):
+        def ints(t: torch.Tensor) -> torch.Tensor:
+            return t.to(torch.int64).contiguous()
+
+        self.seqs, self.qmax = q_positions.shape
+        self.lmax = read_rows.shape[-1]
+        # kept: the kernel reads them through their pointers
+        self.tensors = [ints(write_rows), ints(read_rows), ints(kv_lens), ints(q_index),
+                        ints(q_positions)]  # fmt: skip
+        if mask is not None:
+            self.tensors.append(mask.contiguous().view(torch.uint8))
+        self.pointers = [t.data_ptr() for t in self.tensors] + ([] if mask is not None else [0])
+        self.page_size = page_size
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: torch.Tensor
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k and v [T, Hkv, D] (heads contiguous within a row), store
+        [pages * 2 * page_size, Hkv, D] contiguous; [T, Hq, D]."""
+        tokens, hq, dim = q.shape
+        if not (q.dtype == k.dtype == v.dtype == store.dtype == torch.float32):
+            raise ValueError("paged attention: float32 only")
+        if not (_rows_ok(q) and _rows_ok(k) and _rows_ok(v)):
+            raise ValueError("paged attention: each row must hold its heads contiguously")
+        if not store.is_contiguous():
+            raise ValueError("paged attention: the store must be contiguous")
+        out = q.new_empty(tokens, hq, dim)
+        _kernels.paged_attention(
+            out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), store.data_ptr(),
+            *self.pointers, tokens, self.seqs, self.qmax, self.lmax, hq, k.shape[1], dim,
+            self.page_size, q.stride(0), k.stride(0), v.stride(0), dim**-0.5,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
+def _rows_ok(x: torch.Tensor) -> bool:
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
