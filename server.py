@@ -522,6 +522,12 @@ def build_parser() -> argparse.ArgumentParser:
         "the number of rows a forward has or prompt chunking): slower, CPU float32 only",
     )
     parser.add_argument(
+        "--quantization",
+        choices=["int8"],
+        help="weight-only int8 linears (a scale per output row): a quarter of float32's "
+        "bytes a forward, CPU only",
+    )
+    parser.add_argument(
         "--argmax-drafts",
         action="store_true",
         help="chains and fixed trees: draft the drafter's top tokens for sampled requests "
@@ -560,6 +566,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, S
             device=a.device,
             attention=a.attention,
             batch_invariant=a.batch_invariant,
+            quantization=a.quantization,
             dtype=a.dtype,
             max_running=a.max_running,
             max_waiting=a.max_waiting,

@@ -1,6 +1,7 @@
 """One forward of a real checkpoint beside its memory-bandwidth floor.
 
-    python -m bench.forward --model DIR [--context 512] [--repeats 15] [--out F.json]
+    python -m bench.forward --model DIR [--context 512] [--repeats 15] [--quantization int8]
+        [--out F.json]
 
 "A forward" is the target's one-token decode at batch 1 over a `context`-token paged KV
 cache (prefilled first); a verify of k + 1 rows over the same context is timed too. The
@@ -22,21 +23,27 @@ import torch
 from bench.bandwidth import floor_seconds, measure_bandwidth
 from bench.common import text_table, timed
 from bench.model_step import OursDecode
-from models.llama import LlamaModel, prepare_for_inference
+from models.linear import Int8Linear, PackedLinear
+from models.llama import LlamaModel, RMSNorm, prepare_for_inference
 from models.loader import load_model
 
 LINEAR_OPS = ("aten::addmm", "aten::mm", "aten::linear", "mkldnn::_linear_pointwise")
 
 
 def streamed_bytes(model: LlamaModel) -> int:
-    """Bytes of the weights one forward reads: every parameter but the embedding table (one
-    row of it), the lm_head counted even when tied to the embedding."""
-    params = {p.data_ptr(): p for p in model.parameters()}
-    embed = model.embed_tokens.weight
-    total = sum(p.numel() * p.element_size() for p in params.values())
-    if model.config.tie_word_embeddings:
-        return total  # the table is read whole, as the lm_head
-    return total - embed.numel() * embed.element_size()
+    """Bytes of the weights one forward reads: every linear's (the lm_head's included, tied
+    to the embedding or not; int8 weights with their scales) and the norms'; of the
+    embedding table, one row."""
+    tensors: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        if isinstance(module, PackedLinear | Int8Linear):
+            parts = [module.weight, module.bias, getattr(module, "scales", None)]
+        elif isinstance(module, RMSNorm):
+            parts = [module.weight]
+        else:
+            continue
+        tensors |= {t.data_ptr(): t for t in parts if t is not None}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def linear_share(decode: OursDecode, tokens: torch.Tensor) -> tuple[float, float]:
@@ -49,11 +56,11 @@ def linear_share(decode: OursDecode, tokens: torch.Tensor) -> tuple[float, float
     return linear, total
 
 
-def measure(model_dir: Path, context: int, repeats: int, k: int) -> dict:
+def measure(model_dir: Path, context: int, repeats: int, k: int, int8: bool = False) -> dict:
     torch.manual_seed(0)
     with torch.inference_mode():
         model = load_model(model_dir, torch.float32, torch.device("cpu"))
-        prepare_for_inference(model)
+        prepare_for_inference(model, int8=int8)
         vocab = model.config.vocab_size
         decode = OursDecode(model, torch.randint(0, vocab, (1, context)))
         one, rows = torch.randint(0, vocab, (1,)), torch.randint(0, vocab, (k + 1,))
@@ -72,6 +79,7 @@ def measure(model_dir: Path, context: int, repeats: int, k: int) -> dict:
     decode_s = statistics.median(times["decode"])
     return {
         "model": str(model_dir),
+        "quantization": "int8" if int8 else None,
         "context": context,
         "weight_bytes": weights,
         "bandwidth_bytes_per_s": bandwidth,
@@ -90,10 +98,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--k", type=int, default=4, help="draft tokens of the timed verify")
+    parser.add_argument("--quantization", choices=["int8"], help="weight-only int8 linears")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
-    r = measure(args.model, args.context, args.repeats, args.k)
+    r = measure(args.model, args.context, args.repeats, args.k, args.quantization == "int8")
     header = ["weights MB", "GB/s", "floor ms", "decode ms", "x floor", "verify ms", "linears"]
     row = [
         f"{r['weight_bytes'] / 1e6:.0f}",

@@ -23,7 +23,6 @@ from models.attention import AttentionBackend, InvariantAttention, TorchPagedAtt
 from models.eagle import load_eagle_head
 from models.flashinfer_backend import FlashInferBackend
 from models.gguf import packaged_smollm2
-from models.linear import make_batch_invariant
 from models.llama import LlamaModel, prepare_for_inference
 from models.loader import load_model
 from models.mtp import load_mtp_head
@@ -147,11 +146,10 @@ class Builder:
         )
 
     def prepare(self, model: Any) -> None:
-        """A loaded model or head made ready to run (fused, packed; batch-invariant linears
-        in that mode)."""
-        prepare_for_inference(model)
-        if self.config.batch_invariant:
-            make_batch_invariant(model)
+        """A loaded model or head made ready to run (fused, packed; batch-invariant or int8
+        linears in those modes)."""
+        cfg = self.config
+        prepare_for_inference(model, cfg.batch_invariant, int8=cfg.quantization == "int8")
 
     def cache_for(self, model: Any, num_pages: int) -> KVCache:
         """A KV cache of `num_pages` pages shaped for `model` (a target, draft model or head)."""

@@ -128,6 +128,9 @@ def check_tree_paths(paths: tuple[tuple[int, ...], ...]) -> None:
             raise ValueError(f"tree path {path} lacks its parent {path[:-1]}")
 
 
+QUANTIZATIONS = (None, "int8")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # Hugging Face directory of the target; None: the built-in demo
@@ -139,6 +142,9 @@ class EngineConfig:
     # of rows or how a prompt was chunked (greedy output then equals plain decoding's with no
     # near-tie exception); slower linears at one row and blocked attention
     batch_invariant: bool = False
+    # "int8": every linear weight-only int8 (one scale per output row), a quarter of the
+    # bytes each forward streams; None: the weights as loaded
+    quantization: str | None = None
     dtype: str = "float32"  # weights and activations; bfloat16 checkpoints are upcast on CPU
     max_running: int = 64  # bound on requests decoding at once
     max_waiting: int = 256  # bound on the waiting queue; past it submissions are refused
@@ -162,6 +168,12 @@ class EngineConfig:
             )
         if self.batch_invariant and self.attention != "torch":
             raise ValueError("batch-invariant mode runs the torch attention backend only")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"unknown quantization {self.quantization!r}; choose from {QUANTIZATIONS[1:]}"
+            )
+        if self.quantization and (self.batch_invariant or self.device != "cpu"):
+            raise ValueError("--quantization int8 runs on the CPU, without --batch-invariant")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         for name in ("max_running", "max_waiting", "max_batch_tokens"):

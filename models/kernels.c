@@ -197,14 +197,7 @@ static PyObject *py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 
 /* ---- silu(gate) * up: gate_up [rows, 2 * inter] (gate then up), out [rows, inter] ---- */
 
-/* silu_mul(out, gate_up, rows, inter) */
-static PyObject *py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t a[4];
-    if (ints(args, nargs, 4, a)) return NULL;
-    float *out = PTR(float, a[0]);
-    const float *gu = PTR(const float, a[1]);
-    int64_t rows = a[2], inter = a[3];
-    Py_BEGIN_ALLOW_THREADS
+static void silu_mul_rows(float *out, const float *gu, int64_t rows, int64_t inter) {
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gu + r * 2 * inter, *u = g + inter;
         float *o = out + r * inter;
@@ -215,6 +208,14 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t n
         }
         for (; i < inter; i++) o[i] = g[i] / (1.0f + exp1(-g[i])) * u[i];
     }
+}
+
+/* silu_mul(out, gate_up, rows, inter) */
+static PyObject *py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[4];
+    if (ints(args, nargs, 4, a)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    silu_mul_rows(PTR(float, a[0]), PTR(const float, a[1]), a[2], a[3]);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -322,25 +323,10 @@ static void attend_chunk(const Paged *p, const Item *it, float *scores) {
     }
 }
 
-/* paged_attention(out, q, k, v, store, write_rows, read_rows, kv_lens, q_index, q_positions,
- *                 mask, tokens, seqs, qmax, lmax, hq, hkv, dim, page_size, q_stride,
- *                 k_stride, v_stride, scale, threads) */
-static PyObject *py_paged_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t a[24];
-    if (ints(args, nargs, 24, a)) return NULL;
-    Paged p = {
-        PTR(float, a[0]), PTR(const float, a[1]), PTR(const float, a[2]), PTR(const float, a[3]),
-        PTR(float, a[4]), PTR(const int64_t, a[5]), PTR(const int64_t, a[6]),
-        PTR(const int64_t, a[7]), PTR(const int64_t, a[8]), PTR(const int64_t, a[9]),
-        PTR(const uint8_t, a[10]), a[11], a[12], a[13], a[14], a[15], a[16], a[17], a[18],
-        a[19], a[20], a[21], (float)as_double(a[22]),
-    };
-    int threads = (int)a[23];
-    if (p.hkv <= 0 || p.hq % p.hkv || p.tokens <= 0 || p.dim % 16) {
-        PyErr_SetString(PyExc_ValueError, "paged_attention: q heads must be a multiple of kv "
-                                          "heads, tokens > 0 and head_dim a multiple of 16");
-        return NULL;
-    }
+/* write the tokens' k and v, then attend; 0, or -1 when out of memory (called without the
+ * GIL) */
+static int paged_attend(const Paged *pp, int threads) {
+    const Paged p = *pp;
     int64_t group = p.hq / p.hkv, dim = p.dim, chunks_max = (p.lmax + CHUNK - 1) / CHUNK;
     /* items: each sequence's tokens (a run of equal q_index / qmax) x kv heads x key chunks */
     int64_t n_items = 0, part_floats = 0;
@@ -349,7 +335,7 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *const *args, Py_ss
     int64_t *row_chunks = malloc(sizeof(int64_t) * p.tokens * p.hkv);
     if (!items || !row_part || !row_chunks) {
         free(items), free(row_part), free(row_chunks);
-        return PyErr_NoMemory();
+        return -1;
     }
     for (int64_t t0 = 0, t1; t0 < p.tokens; t0 = t1) {
         int64_t b = p.q_index[t0] / p.qmax, len = p.kv_lens[b];
@@ -369,11 +355,10 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *const *args, Py_ss
     float *parts = malloc(sizeof(float) * (part_floats ? part_floats : 1));
     if (!parts) {
         free(items), free(row_part), free(row_chunks);
-        return PyErr_NoMemory();
+        return -1;
     }
     for (int64_t i = 0; i < n_items; i++) items[i].part = parts + (intptr_t)items[i].part;
     int failed = 0;
-    Py_BEGIN_ALLOW_THREADS
     write_kv(&p);
 #pragma omp parallel num_threads(threads)
     {
@@ -418,9 +403,124 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *const *args, Py_ss
             }
         }
     }
-    Py_END_ALLOW_THREADS
     free(parts), free(items), free(row_part), free(row_chunks);
-    if (failed) return PyErr_NoMemory();
+    return failed ? -1 : 0;
+}
+
+static int paged_check(const Paged *p) {
+    if (p->hkv <= 0 || p->hq % p->hkv || p->tokens <= 0 || p->dim % 16) {
+        PyErr_SetString(PyExc_ValueError, "paged attention: q heads must be a multiple of kv "
+                                          "heads, tokens > 0 and head_dim a multiple of 16");
+        return -1;
+    }
+    return 0;
+}
+
+/* paged_attention(out, q, k, v, store, write_rows, read_rows, kv_lens, q_index, q_positions,
+ *                 mask, tokens, seqs, qmax, lmax, hq, hkv, dim, page_size, q_stride,
+ *                 k_stride, v_stride, scale, threads) */
+static PyObject *py_paged_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[24];
+    if (ints(args, nargs, 24, a)) return NULL;
+    Paged p = {
+        PTR(float, a[0]), PTR(const float, a[1]), PTR(const float, a[2]), PTR(const float, a[3]),
+        PTR(float, a[4]), PTR(const int64_t, a[5]), PTR(const int64_t, a[6]),
+        PTR(const int64_t, a[7]), PTR(const int64_t, a[8]), PTR(const int64_t, a[9]),
+        PTR(const uint8_t, a[10]), a[11], a[12], a[13], a[14], a[15], a[16], a[17], a[18],
+        a[19], a[20], a[21], (float)as_double(a[22]),
+    };
+    if (paged_check(&p)) return NULL;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = paged_attend(&p, (int)a[23]);
+    Py_END_ALLOW_THREADS
+    if (status) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* ---- a one-token forward through decoder layers, linears by BLAS sgemv ----
+ *
+ * At one token a layer is four matrix-vector products and a dozen small steps; done here in
+ * one call, the steps cost nanoseconds instead of a dispatched torch operation each. The
+ * products go to the sgemv of the BLAS torch carries (its address handed over by
+ * models/native.py), which streams a weight stored [in, out] as torch's one-row product does.
+ * Each layer's entry of the table holds, as int64: its input norm's weight (0: none), q|k|v's
+ * weight and bias (0: none), o's weight, the post-attention norm's weight, gate|up's weight,
+ * down's weight, and the layer's index in the KV cache. */
+
+typedef void (*sgemv_fn)(const char *trans, const int *m, const int *n, const float *alpha,
+                         const float *a, const int *lda, const float *x, const int *incx,
+                         const float *beta, float *y, const int *incy);
+
+enum { W_IN_NORM, W_QKV, B_QKV, W_O, W_POST_NORM, W_GATE_UP, W_DOWN, CACHE_LAYER, LAYER_FIELDS };
+
+/* y [out] = W x (+ y when accumulate), W stored [in, out] */
+static void matvec(sgemv_fn sgemv, const float *w, const float *x, float *y, int in, int out,
+                   int accumulate) {
+    const float one = 1.0f, zero = 0.0f;
+    const int inc = 1;
+    sgemv("N", &out, &in, &one, w, &out, x, &inc, accumulate ? &one : &zero, y, &inc);
+}
+
+/* decode_layers(x, table, layers, hidden, hq, hkv, dim, inter, eps, cos, sin, store_base,
+ *               layer_floats, write_rows, read_rows, kv_lens, q_index, q_positions, mask,
+ *               seqs, qmax, lmax, page_size, aux_out, aux_every, threads, sgemv):
+ * x [hidden] is the residual stream, updated in place; after layer l with aux_every[l] != 0,
+ * x is copied to the next row of aux_out. */
+static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[27];
+    if (ints(args, nargs, 27, a)) return NULL;
+    float *x = PTR(float, a[0]);
+    const int64_t *table = PTR(const int64_t, a[1]);
+    int64_t layers = a[2], hidden = a[3], hq = a[4], hkv = a[5], dim = a[6], inter = a[7];
+    float eps = (float)as_double(a[8]);
+    const float *cos = PTR(const float, a[9]), *sin = PTR(const float, a[10]);
+    float *store_base = PTR(float, a[11]);
+    int64_t layer_floats = a[12];
+    float *aux_out = PTR(float, a[23]);
+    const uint8_t *aux_every = PTR(const uint8_t, a[24]);
+    int threads = (int)a[25];
+    sgemv_fn sgemv = PTR(void, a[26]);
+    int64_t qkv_size = (hq + 2 * hkv) * dim;
+    Paged p = {NULL, NULL, NULL, NULL, NULL, PTR(const int64_t, a[13]), PTR(const int64_t, a[14]),
+               PTR(const int64_t, a[15]), PTR(const int64_t, a[16]), PTR(const int64_t, a[17]),
+               PTR(const uint8_t, a[18]), 1, a[19], a[20], a[21], hq, hkv, dim, a[22],
+               qkv_size, qkv_size, qkv_size, 1.0f / sqrtf((float)dim)};
+    if (paged_check(&p) || !sgemv) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "decode_layers: no sgemv");
+        return NULL;
+    }
+    float *scratch = malloc(sizeof(float) * (hidden + qkv_size + hq * dim + 3 * inter));
+    if (!scratch) return PyErr_NoMemory();
+    float *h = scratch, *qkv = h + hidden, *att = qkv + qkv_size, *gu = att + hq * dim;
+    float *act = gu + 2 * inter;
+    int status = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t l = 0; l < layers && !status; l++) {
+        const int64_t *w = table + l * LAYER_FIELDS;
+        if (w[W_IN_NORM])
+            rms_norm_rows(h, x, PTR(const float, w[W_IN_NORM]), 1, hidden, eps);
+        else
+            memcpy(h, x, hidden * sizeof(float));
+        if (w[B_QKV]) memcpy(qkv, PTR(const float, w[B_QKV]), qkv_size * sizeof(float));
+        matvec(sgemv, PTR(const float, w[W_QKV]), h, qkv, hidden, qkv_size, w[B_QKV] != 0);
+        rope_rows(qkv, cos, sin, 1, hq + hkv, dim, qkv_size);
+        p.out = att, p.q = qkv, p.k = qkv + hq * dim, p.v = qkv + (hq + hkv) * dim;
+        p.store = store_base + w[CACHE_LAYER] * layer_floats;
+        status = paged_attend(&p, threads);
+        matvec(sgemv, PTR(const float, w[W_O]), att, x, hq * dim, hidden, 1); /* x += o */
+        rms_norm_rows(h, x, PTR(const float, w[W_POST_NORM]), 1, hidden, eps);
+        matvec(sgemv, PTR(const float, w[W_GATE_UP]), h, gu, hidden, 2 * inter, 0);
+        silu_mul_rows(act, gu, 1, inter);
+        matvec(sgemv, PTR(const float, w[W_DOWN]), act, x, inter, hidden, 1); /* x += down */
+        if (aux_every[l]) {
+            memcpy(aux_out, x, hidden * sizeof(float));
+            aux_out += hidden;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    if (status) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -430,6 +530,8 @@ static PyMethodDef methods[] = {
     {"silu_mul", (PyCFunction)(void (*)(void))py_silu_mul, METH_FASTCALL, "silu(gate) * up"},
     {"paged_attention", (PyCFunction)(void (*)(void))py_paged_attention, METH_FASTCALL,
      "write k, v into the paged store and attend"},
+    {"decode_layers", (PyCFunction)(void (*)(void))py_decode_layers, METH_FASTCALL,
+     "a one-token forward through decoder layers"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -72,6 +72,39 @@ class PackedLinear(nn.Module):
         return self(x).split_with_sizes(self.sizes, -1)  # (Tensor.split wraps it in Python)
 
 
+class Int8Linear(nn.Module):
+    """A PackedLinear's product with weight-only int8: W ~ scales * Q, Q int8 [O, I] with one
+    scale a row (symmetric: the row's largest magnitude maps to 127), x and the result float.
+    The product is torch's own int8 weight-pack kernel (`aten._weight_int8pack_mm`), which
+    reads a quarter of float32's bytes (`--quantization int8`)."""
+
+    def __init__(self, linear: PackedLinear):
+        super().__init__()
+        w = linear.weight.detach().float()
+        scales = (w.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("weight", q.contiguous(), persistent=False)
+        self.register_buffer("scales", scales.to(linear.weight.dtype), persistent=False)
+        self.bias = linear.bias
+        self.sizes = linear.sizes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight, self.scales)
+        return y if self.bias is None else y + self.bias
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self(x).split_with_sizes(self.sizes, -1)
+
+
+def quantize_int8(module: nn.Module) -> None:
+    """Every PackedLinear below `module` swapped for its Int8Linear (a tied lm_head gets its
+    own int8 copy; the embedding it shares stays float)."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, PackedLinear):
+                setattr(parent, name, Int8Linear(child))
+
+
 def make_batch_invariant(module: nn.Module) -> None:
     """Every PackedLinear below `module` takes oneDNN's packed product for one row too: its
     result for a row is then the same bits whatever the number of rows (MKL's one-row

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from models import native
-from models.attention import Attention
-from models.linear import PackedLinear, pack_linears
+from models.attention import Attention, TorchPagedAttention
+from models.linear import PackedLinear, make_batch_invariant, pack_linears, quantize_int8
 
 
 @dataclass(frozen=True)
@@ -165,10 +165,15 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def prepare_for_inference(module: nn.Module) -> None:
+def prepare_for_inference(
+    module: nn.Module, batch_invariant: bool = False, int8: bool = False
+) -> None:
     """Fuse q|k|v and gate|up and pack every linear below `module` (models/linear.py), and
-    run norms, rotary and silu(gate) * up through the native kernels where they can
-    (models/native.py); the outputs equal the plain forward's up to float rounding.
+    run norms, rotary and silu(gate) * up through the native kernels where they can, a
+    model's one-token forwards through its OneTokenDecoder (models/native.py); the outputs
+    equal the plain forward's up to float rounding. `batch_invariant`: every linear takes
+    oneDNN's packed product (make_batch_invariant), so no OneTokenDecoder. `int8`: every
+    linear weight-only int8 (quantize_int8; its forwards stay on the torch path).
     Inference only: no backward."""
     fused: set[nn.Module] = set()
     for sub in list(module.modules()):
@@ -179,9 +184,81 @@ def prepare_for_inference(module: nn.Module) -> None:
             sub.gate_up = PackedLinear([sub.gate_proj, sub.up_proj])
             fused |= {sub.gate_proj, sub.up_proj}
     pack_linears(module, skip=fused)
+    if batch_invariant:
+        make_batch_invariant(module)
+    if int8:
+        quantize_int8(module)
     for sub in module.modules():
         if isinstance(sub, RMSNorm | SelfAttention | MLP):
             sub.native = native.usable(*sub.parameters())
+    for sub in module.modules():
+        if isinstance(sub, LlamaModel) and not batch_invariant:
+            sub.decoder = OneTokenDecoder.of([layer for layer in sub.layers])  # type: ignore[misc]
+
+
+class OneTokenDecoder:
+    """A stack of decoder layers run for one token in one native call (models/kernels.c:
+    decode_layers): at batch 1 a step's forwards are one token each, and a layer's dozen small
+    torch operations cost more there than its products."""
+
+    def __init__(self, layers: list[DecoderLayer], table: torch.Tensor):
+        self.layers = layers
+        self.table = table  # [layers, 8] int64 (kernels.c: the layer table)
+        first = layers[0].self_attn
+        self.shape = (first.num_heads, first.num_kv_heads, first.head_dim)
+        self.inter = layers[0].mlp.gate_up.sizes[0] if layers[0].mlp.gate_up else 0
+        self.eps = layers[0].post_attention_layernorm.eps
+
+    @classmethod
+    def of(cls, layers: list[DecoderLayer]) -> OneTokenDecoder | None:
+        """The decoder of these prepared layers, or None where the kernels cannot run them
+        (not built, not float32 on the CPU, a head size the attention kernel does not take,
+        a linear that does not stream [in, out] weights to BLAS for one row)."""
+        rows: list[list[int]] = []
+        for layer in layers:
+            attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
+            linears = [attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj]
+            plain = all(
+                isinstance(lin, PackedLinear) and lin.packed is not None and not lin.one_row_packed
+                for lin in linears
+            )
+            if not (plain and attn.native and mlp.native and native.decoder_usable(attn.head_dim)):
+                return None
+            assert attn.qkv is not None and mlp.gate_up is not None
+            if attn.o_proj.bias is not None or mlp.down_proj.bias is not None:
+                return None
+            norms = [n for n in (norm, layer.post_attention_layernorm) if isinstance(n, RMSNorm)]
+            if len({n.eps for n in norms}) != 1:
+                return None
+            rows.append([
+                norm.weight.data_ptr() if isinstance(norm, RMSNorm) else 0,
+                attn.qkv.weight.data_ptr(),
+                attn.qkv.bias.data_ptr() if attn.qkv.bias is not None else 0,
+                attn.o_proj.weight.data_ptr(),
+                layer.post_attention_layernorm.weight.data_ptr(),
+                mlp.gate_up.weight.data_ptr(),
+                mlp.down_proj.weight.data_ptr(),
+                attn.layer,
+            ])  # fmt: skip
+        return cls(layers, torch.tensor(rows, dtype=torch.int64)) if rows else None
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [1, H], the residual stream, updated in place
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: TorchPagedAttention,
+        aux_layers: tuple[int, ...],
+    ) -> list[torch.Tensor]:
+        """The outputs of `aux_layers` ([1, H] each); x holds the last layer's."""
+        assert attn.kernel is not None
+        every = torch.zeros(len(self.layers), dtype=torch.uint8)
+        aux = [i for i in range(len(self.layers)) if i in aux_layers]
+        every[aux] = 1
+        out = x.new_empty(len(aux), x.shape[1])
+        native.decode_layers(x, self.table, self.shape, self.inter, self.eps, cos, sin,
+                             attn.kernel, attn.cache.data, out, every)  # fmt: skip
+        return list(out.split(1))
 
 
 class Rotary(nn.Module):
@@ -209,6 +286,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.decoder: OneTokenDecoder | None = None  # one-token forwards (prepare_for_inference)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -222,6 +300,14 @@ class LlamaModel(nn.Module):
         """Hidden states after the final norm [T, H], and the outputs of `aux_layers` [T, H]."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions)
+        if (
+            self.decoder is not None
+            and x.shape[0] == 1
+            and isinstance(attn, TorchPagedAttention)
+            and attn.kernel is not None
+        ):
+            aux = self.decoder(x, cos, sin, attn, aux_layers)
+            return self.norm(x), aux
         aux = []
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attn)

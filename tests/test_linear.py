@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models.attention import CausalAttention
-from models.linear import PackedLinear
+from models.linear import Int8Linear, PackedLinear
 from models.llama import LlamaConfig, LlamaModel, prepare_for_inference
 
 CFG = LlamaConfig(
@@ -57,3 +57,31 @@ def test_prepared_model_matches_the_plain_forward():
         got, _ = prepared(ids, positions, CausalAttention(1, 12))
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(prepared.logits(got), model.logits(want), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int8_linear_is_within_its_rounding_of_the_float_product(rows):
+    linears = [torch.nn.Linear(64, 48, bias=True), torch.nn.Linear(64, 16, bias=False)]
+    packed = PackedLinear(linears)
+    int8 = Int8Linear(packed)
+    assert int8.weight.dtype == torch.int8
+    x = torch.randn(rows, 64)
+    with torch.inference_mode():
+        want = torch.cat([lin(x) for lin in linears], -1)
+        got = int8(x)
+    # each weight is off by at most half a step (scale / 2) of its row
+    bound = 0.5 * x.abs().sum(-1, keepdim=True) * int8.scales[None, :] + 1e-5
+    assert ((got - want).abs() <= bound).all()
+    assert (got - want).abs().max() > 0  # int8 rounds: the check is not of the float path
+    assert [g.shape[-1] for g in int8.split(x)] == [48, 16]
+
+
+def test_an_int8_model_keeps_its_tied_embedding_float():
+    cfg = LlamaConfig(**{**CFG.__dict__, "tie_word_embeddings": True})
+    model = LlamaModel(cfg).eval()
+    prepare_for_inference(model, int8=True)
+    assert isinstance(model.lm_head, Int8Linear) and isinstance(
+        model.layers[0].mlp.gate_up, Int8Linear
+    )
+    assert model.embed_tokens.weight.dtype == torch.float32
+    assert model.decoder is None  # one-token forwards stay on the torch path

@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+from models import native
 from models.attention import CausalAttention
 from models.llama import prepare_for_inference
 from models.loader import checkpoint_dtype, load_model, read_config, read_safetensors
@@ -88,6 +89,23 @@ def test_paged_prefill_decode_verify_match_transformers(tmp_path, arch, prepared
         want = expected[seq][start : start + len(got)]
         assert (got - want).abs().max().item() <= TOLERANCE, (arch, seq, start)
     assert expected[0].abs().max() > 1.0  # the check is not vacuous
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_one_token_forwards_through_the_native_decoder_match_transformers(tmp_path, arch):
+    """One sequence, so every decode is a one-token forward: OneTokenDecoder's path."""
+    reference = hf_model(arch)
+    reference.save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    prepare_for_inference(model)
+    if native.available():
+        assert model.decoder is not None
+    runner = PagedRunner(model, num_seqs=1)
+    outputs = [(len(runner.tokens[0]), runner.step(random_chunks([n]))[0]) for n in [9, 1, 1, 1]]
+    expected = hf_logits(reference, runner.tokens[0])
+    for start, got in outputs:
+        want = expected[start : start + len(got)]
+        assert (got - want).abs().max().item() <= TOLERANCE, (arch, start)
 
 
 def test_tied_embeddings_stay_tied(tmp_path):

@@ -42,6 +42,19 @@ async def test_greedy_speculation_equals_plain(
         assert engine.allocator.num_free == engine.allocator.num_pages
 
 
+async def test_greedy_speculation_on_an_int8_target_equals_its_plain_decoding(
+    tiny_target, tiny_draft, prompts
+):
+    """--quantization int8 changes the model (both sides are its int8 forwards), not the
+    losslessness."""
+    plain = make_config(tiny_target, quantization="int8")
+    spec = make_config(tiny_target, "draft", tiny_draft, k=3, quantization="int8")
+    async with running(plain) as engine:
+        want = await staggered(engine, prompts[:8], GREEDY)
+    async with running(spec) as engine:
+        assert await staggered(engine, prompts[:8], GREEDY, seed=5) == want
+
+
 async def test_draft_model_accepts_its_own_output(tiny_target):
     """The target drafting for itself is always right: every draft token is accepted."""
     config = make_config(tiny_target, "draft", tiny_target, k=4)
