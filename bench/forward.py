@@ -7,8 +7,7 @@
 cache (prefilled first); a verify of k + 1 rows over the same context is timed too. The
 model's weights are far larger than the last-level cache, so each forward streams them from
 memory, as in serving. The floor is the weight bytes read by a forward (every linear once,
-the embedding's one row aside) over this machine's read bandwidth (bench/bandwidth.py). A
-profile of one forward splits its time into the linears and everything else.
+the embedding's one row aside) over this machine's read bandwidth (bench/bandwidth.py).
 """
 
 from __future__ import annotations
@@ -27,8 +26,6 @@ from models.linear import Int8Linear, PackedLinear
 from models.llama import LlamaModel, RMSNorm, prepare_for_inference
 from models.loader import load_model
 
-LINEAR_OPS = ("aten::addmm", "aten::mm", "aten::linear", "mkldnn::_linear_pointwise")
-
 
 def streamed_bytes(model: LlamaModel) -> int:
     """Bytes of the weights one forward reads: every linear's (the lm_head's included, tied
@@ -36,24 +33,17 @@ def streamed_bytes(model: LlamaModel) -> int:
     embedding table, one row."""
     tensors: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        if isinstance(module, PackedLinear | Int8Linear):
-            parts = [module.weight, module.bias, getattr(module, "scales", None)]
+        if isinstance(module, Int8Linear):
+            read = module.blocked if module.blocked is not None else module.weight
+            parts = [read, module.bias, module.scales]
+        elif isinstance(module, PackedLinear):
+            parts = [module.weight, module.bias]
         elif isinstance(module, RMSNorm):
             parts = [module.weight]
         else:
             continue
         tensors |= {t.data_ptr(): t for t in parts if t is not None}
     return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def linear_share(decode: OursDecode, tokens: torch.Tensor) -> tuple[float, float]:
-    """(seconds in the linears, seconds in all) of one profiled forward."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        decode.step(tokens)
-    events = prof.key_averages()
-    linear = sum(e.self_cpu_time_total for e in events if e.key in LINEAR_OPS) / 1e6
-    total = sum(e.self_cpu_time_total for e in events) / 1e6
-    return linear, total
 
 
 def measure(model_dir: Path, context: int, repeats: int, k: int, int8: bool = False) -> dict:
@@ -72,7 +62,6 @@ def measure(model_dir: Path, context: int, repeats: int, k: int, int8: bool = Fa
         for _ in range(repeats):  # interleaved: the machine's drift touches both alike
             times["decode"].append(timed(step))
             times["verify"].append(timed(verify))
-        linear, profiled = linear_share(decode, one)
     weights = streamed_bytes(model)
     bandwidth = measure_bandwidth()
     floor = floor_seconds(weights, bandwidth)
@@ -88,7 +77,6 @@ def measure(model_dir: Path, context: int, repeats: int, k: int, int8: bool = Fa
         "verify_ms": statistics.median(times["verify"]) * 1e3,
         "verify_rows": k + 1,
         "decode_over_floor": decode_s / floor,
-        "profiled_linear_share": linear / profiled,
     }
 
 
@@ -103,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     r = measure(args.model, args.context, args.repeats, args.k, args.quantization == "int8")
-    header = ["weights MB", "GB/s", "floor ms", "decode ms", "x floor", "verify ms", "linears"]
+    header = ["weights MB", "GB/s", "floor ms", "decode ms", "x floor", "verify ms"]
     row = [
         f"{r['weight_bytes'] / 1e6:.0f}",
         f"{r['bandwidth_bytes_per_s'] / 1e9:.1f}",
@@ -111,7 +99,6 @@ def main(argv: list[str] | None = None) -> None:
         f"{r['decode_ms']:.1f}",
         f"{r['decode_over_floor']:.2f}",
         f"{r['verify_ms']:.1f} ({r['verify_rows']} rows)",
-        f"{r['profiled_linear_share']:.0%}",
     ]
     print(text_table(header, [row]))
     if args.out:

@@ -4,7 +4,8 @@
         [--draft DIR --draft-gguf FILE] [--eagle DIR] [--mtp DIR]
         [--methods plain draft ngram-simple ngram-mod eagle mtp] [--batches 1 4]
         [--temperatures 0 1] [--max-tokens 128] [--prompts 8] [--repeats 3] [--k 4]
-        [--fixed-k] [--ttft-tokens 2000] [--threads 2] [--out bench/results/peer.json]
+        [--fixed-k] [--ttft-tokens 2000] [--threads 2] [--quantization int8]
+        [--out bench/results/peer.json]
 
 One server runs at a time. Ours is `server.py --speculative none|draft|ngram|eagle|mtp`;
 llama.cpp's is `llama-server -t THREADS -np BATCH --spec-type none|draft-simple|ngram-simple|
@@ -137,6 +138,8 @@ def tandem_launch(spec: str, args: argparse.Namespace) -> Launch:
         command += ["--draft", str(heads[spec])]
     command += ["--num-speculative-tokens", str(args.k), "--host", "127.0.0.1"]
     command += ["--fixed-k"] * args.fixed_k + shlex.split(args.server_args)
+    if args.quantization:
+        command += ["--quantization", args.quantization]
     return Launch(TANDEM, spec, 0, tuple(command))
 
 
@@ -307,16 +310,18 @@ def bench_prompts(tokenizer: Tokenizer, count: int, ttft_tokens: int) -> tuple[l
     return prompts, joined[:ttft_tokens]
 
 
-def tandem_weight_bytes(directory: Path) -> int:
+def tandem_weight_bytes(directory: Path, int8: bool = False) -> int:
     """The target's weights as our server holds them: float32 (a tied matrix is stored once;
-    a GGUF file's tensors are dequantized)."""
+    a GGUF file's tensors are dequantized), or with `--quantization int8` a byte for each
+    element of a matrix (its scales, a float a row, left out)."""
     if directory.suffix == ".gguf":
-        return 4 * sum(int(t.n_elements) for t in gguf.GGUFReader(str(directory)).tensors)
-    numel = 0
-    for path in safetensors_files(directory):
-        with safe_open(str(path), framework="pt") as f:
-            numel += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
-    return 4 * numel
+        shapes = [[int(d) for d in t.shape] for t in gguf.GGUFReader(str(directory)).tensors]
+    else:
+        shapes = []
+        for path in safetensors_files(directory):
+            with safe_open(str(path), framework="pt") as f:
+                shapes += [f.get_slice(name).get_shape() for name in f.keys()]
+    return sum(math.prod(s) * (1 if int8 and len(s) == 2 else 4) for s in shapes)
 
 
 # ---- rows and outputs ----
@@ -386,6 +391,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's -t and the bandwidth's")
     p.add_argument("--server-args", default="", help="more flags for server.py")
+    p.add_argument("--quantization", choices=["int8"], help="our server's --quantization")
     p.add_argument("--llama-args", default="", help="more flags for llama-server")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
@@ -414,7 +420,7 @@ def run(args: argparse.Namespace) -> JSON:
         print(f"bench.peer: {launch.side.name} {launch.spec} (np {launch.slots})", flush=True)
         key = (launch.side.name, launch.spec, launch.slots)
         results[key] = asyncio.run(measure_launch(launch, prompts, ttft_prompt, args))
-    weights = {TANDEM.name: tandem_weight_bytes(args.model)}
+    weights = {TANDEM.name: tandem_weight_bytes(args.model, args.quantization == "int8")}
     for result in results.values():  # every llama.cpp launch holds the same GGUF
         if "weight_bytes" in result:
             weights[LLAMA.name] = result["weight_bytes"]

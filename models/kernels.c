@@ -16,6 +16,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -128,6 +129,112 @@ static inline v16 exp16(v16 x) {
 }
 
 static inline float exp1(float x) { return exp16(splat(x))[0]; }
+
+/* ---- products with blocked weights: y [M, O] = x [M, I] W^T (+ bias) ----
+ *
+ * W is stored in blocks of 16 outputs: block b holds, for each input i, outputs 16b..16b+15
+ * next to each other ([O / 16, I, 16], O padded to a multiple of 16 with zero rows), so a
+ * block is one contiguous stream and a row of x meets each weight in one fused multiply-add
+ * into a 16-lane accumulator: no horizontal sums, and up to 8 rows share each weight read
+ * (a verify of k + 1 rows costs about what one row does while the weights stream from
+ * memory). Float32 weights, or int8 with a scale per output (applied once at the end).
+ * Output blocks are shared by the threads. A row's result depends only on that row. */
+
+#define GEMM_ROWS 8 /* rows of x a pass over the weights serves */
+
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+
+/* 16 int8 weights as floats: one sign extension and one conversion with AVX-512 */
+static inline v16 int8_weights(const int8_t *q) {
+#ifdef __AVX512F__
+    __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q));
+    v16 w;
+    __m512 f = _mm512_cvtepi32_ps(wide);
+    memcpy(&w, &f, sizeof w);
+    return w;
+#else
+    i8x16 b;
+    memcpy(&b, q, sizeof b);
+    return __builtin_convertvector(__builtin_convertvector(b, i16), v16);
+#endif
+}
+
+/* rows m0..m0+ROWS of the product for output block ob; ROWS a constant, so that the
+ * accumulators stay in registers */
+#define GEMM_BLOCK(ROWS)                                                                      \
+    static void gemm_block_##ROWS(const float *x, const float *wf, const int8_t *wq,         \
+                                  const float *scales, const float *bias, float *y,           \
+                                  int64_t m0, int64_t in, int64_t out, int64_t ob) {          \
+        v16 acc[ROWS];                                                                        \
+        for (int m = 0; m < ROWS; m++) acc[m] = splat(0.0f);                                  \
+        int64_t base = ob * in * 16;                                                          \
+        const float *xr = x + m0 * in;                                                        \
+        if (wq)                                                                               \
+            for (int64_t i = 0; i < in; i++) {                                                \
+                v16 w = int8_weights(wq + base + i * 16);                                     \
+                for (int m = 0; m < ROWS; m++) acc[m] += xr[m * in + i] * w;                  \
+            }                                                                                 \
+        else                                                                                  \
+            for (int64_t i = 0; i < in; i++) {                                                \
+                v16 w = load16(wf + base + i * 16);                                           \
+                for (int m = 0; m < ROWS; m++) acc[m] += xr[m * in + i] * w;                  \
+            }                                                                                 \
+        store_block(acc, ROWS, scales, bias, y, m0, out, ob);                                 \
+    }
+
+static inline void store_block(const v16 *acc, int rows, const float *scales, const float *bias,
+                               float *y, int64_t m0, int64_t out, int64_t ob) {
+    int64_t o0 = ob * 16, n = out - o0 < 16 ? out - o0 : 16;
+    for (int m = 0; m < rows; m++) {
+        v16 r = acc[m];
+        if (scales) r *= load16(scales + o0); /* scales are padded to whole blocks */
+        float lanes[16];
+        store16(lanes, r);
+        float *dst = y + (m0 + m) * out + o0;
+        for (int64_t j = 0; j < n; j++) dst[j] = lanes[j] + (bias ? bias[o0 + j] : 0.0f);
+    }
+}
+
+GEMM_BLOCK(1)
+GEMM_BLOCK(2)
+GEMM_BLOCK(3)
+GEMM_BLOCK(4)
+GEMM_BLOCK(5)
+GEMM_BLOCK(6)
+GEMM_BLOCK(7)
+GEMM_BLOCK(8)
+
+typedef void (*gemm_block_fn)(const float *, const float *, const int8_t *, const float *,
+                              const float *, float *, int64_t, int64_t, int64_t, int64_t);
+static const gemm_block_fn GEMM_BLOCKS[GEMM_ROWS + 1] = {
+    NULL,          gemm_block_1, gemm_block_2, gemm_block_3, gemm_block_4,
+    gemm_block_5, gemm_block_6, gemm_block_7, gemm_block_8,
+};
+
+static void gemm(const float *x, const float *wf, const int8_t *wq, const float *scales,
+                 const float *bias, float *y, int64_t m_rows, int64_t in, int64_t out,
+                 int threads) {
+    int64_t blocks = (out + 15) / 16;
+    for (int64_t m0 = 0; m0 < m_rows; m0 += GEMM_ROWS) {
+        int64_t rows = m_rows - m0 < GEMM_ROWS ? m_rows - m0 : GEMM_ROWS;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t ob = 0; ob < blocks; ob++)
+            GEMM_BLOCKS[rows](x, wf, wq, scales, bias, y, m0, in, out, ob);
+    }
+}
+
+/* linear(y, x, weight, int8 weight, scales, bias, rows, in, out, threads): one of the two
+ * weight pointers is 0 */
+static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[10];
+    if (ints(args, nargs, 10, a)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    gemm(PTR(const float, a[1]), PTR(const float, a[2]), PTR(const int8_t, a[3]),
+         PTR(const float, a[4]), PTR(const float, a[5]), PTR(float, a[0]), a[6], a[7], a[8],
+         (int)a[9]);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
 
 /* ---- RMSNorm: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w ---- */
 
@@ -438,84 +545,92 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *const *args, Py_ss
     Py_RETURN_NONE;
 }
 
-/* ---- a one-token forward through decoder layers, linears by BLAS sgemv ----
+/* ---- a forward of a few tokens through decoder layers ----
  *
- * At one token a layer is four matrix-vector products and a dozen small steps; done here in
- * one call, the steps cost nanoseconds instead of a dispatched torch operation each. The
- * products go to the sgemv of the BLAS torch carries (its address handed over by
- * models/native.py), which streams a weight stored [in, out] as torch's one-row product does.
- * Each layer's entry of the table holds, as int64: its input norm's weight (0: none), q|k|v's
- * weight and bias (0: none), o's weight, the post-attention norm's weight, gate|up's weight,
- * down's weight, and the layer's index in the KV cache. */
+ * A decode (or a verify of a few rows) is, per layer, four products and a dozen small steps;
+ * done here in one call, the small steps cost nanoseconds instead of a dispatched torch
+ * operation each, and the products are the blocked ones above. Each layer's entry of the
+ * table holds, as int64: its input norm's weight (0: none), the post-attention norm's, the
+ * layer's index in the KV cache, then for each of q|k|v, o, gate|up and down: the blocked
+ * weight (float32 or int8), its int8 scales (0: float32) and its bias (0: none). */
 
-typedef void (*sgemv_fn)(const char *trans, const int *m, const int *n, const float *alpha,
-                         const float *a, const int *lda, const float *x, const int *incx,
-                         const float *beta, float *y, const int *incy);
+enum { W_IN_NORM, W_POST_NORM, CACHE_LAYER, LINEARS };
+enum { QKV, O, GATE_UP, DOWN };
+#define LAYER_FIELDS (LINEARS + 3 * 4)
 
-enum { W_IN_NORM, W_QKV, B_QKV, W_O, W_POST_NORM, W_GATE_UP, W_DOWN, CACHE_LAYER, LAYER_FIELDS };
+typedef struct {
+    const float *wf, *scales, *bias;
+    const int8_t *wq;
+} Linear;
 
-/* y [out] = W x (+ y when accumulate), W stored [in, out] */
-static void matvec(sgemv_fn sgemv, const float *w, const float *x, float *y, int in, int out,
-                   int accumulate) {
-    const float one = 1.0f, zero = 0.0f;
-    const int inc = 1;
-    sgemv("N", &out, &in, &one, w, &out, x, &inc, accumulate ? &one : &zero, y, &inc);
+static Linear linear_of(const int64_t *w, int which) {
+    const int64_t *f = w + LINEARS + 3 * which;
+    Linear l = {PTR(const float, f[0]), PTR(const float, f[1]), PTR(const float, f[2]), NULL};
+    if (l.scales) l.wq = PTR(const int8_t, f[0]), l.wf = NULL;
+    return l;
 }
 
-/* decode_layers(x, table, layers, hidden, hq, hkv, dim, inter, eps, cos, sin, store_base,
- *               layer_floats, write_rows, read_rows, kv_lens, q_index, q_positions, mask,
- *               seqs, qmax, lmax, page_size, aux_out, aux_every, threads, sgemv):
- * x [hidden] is the residual stream, updated in place; after layer l with aux_every[l] != 0,
- * x is copied to the next row of aux_out. */
+static void apply(Linear l, const float *x, float *y, int64_t rows, int64_t in, int64_t out,
+                  int threads) {
+    gemm(x, l.wf, l.wq, l.scales, l.bias, y, rows, in, out, threads);
+}
+
+/* decode_layers(x, table, layers, tokens, hidden, hq, hkv, dim, inter, eps, cos, sin,
+ *               store_base, layer_floats, write_rows, read_rows, kv_lens, q_index,
+ *               q_positions, mask, seqs, qmax, lmax, page_size, aux_out, aux_every, threads):
+ * x [tokens, hidden] is the residual stream, updated in place; after layer l with
+ * aux_every[l] != 0, x is copied to the next [tokens, hidden] of aux_out. */
 static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int64_t a[27];
     if (ints(args, nargs, 27, a)) return NULL;
     float *x = PTR(float, a[0]);
     const int64_t *table = PTR(const int64_t, a[1]);
-    int64_t layers = a[2], hidden = a[3], hq = a[4], hkv = a[5], dim = a[6], inter = a[7];
-    float eps = (float)as_double(a[8]);
-    const float *cos = PTR(const float, a[9]), *sin = PTR(const float, a[10]);
-    float *store_base = PTR(float, a[11]);
-    int64_t layer_floats = a[12];
-    float *aux_out = PTR(float, a[23]);
-    const uint8_t *aux_every = PTR(const uint8_t, a[24]);
-    int threads = (int)a[25];
-    sgemv_fn sgemv = PTR(void, a[26]);
-    int64_t qkv_size = (hq + 2 * hkv) * dim;
-    Paged p = {NULL, NULL, NULL, NULL, NULL, PTR(const int64_t, a[13]), PTR(const int64_t, a[14]),
-               PTR(const int64_t, a[15]), PTR(const int64_t, a[16]), PTR(const int64_t, a[17]),
-               PTR(const uint8_t, a[18]), 1, a[19], a[20], a[21], hq, hkv, dim, a[22],
+    int64_t layers = a[2], tokens = a[3], hidden = a[4], hq = a[5], hkv = a[6], dim = a[7];
+    int64_t inter = a[8];
+    float eps = (float)as_double(a[9]);
+    const float *cos = PTR(const float, a[10]), *sin = PTR(const float, a[11]);
+    float *store_base = PTR(float, a[12]);
+    int64_t layer_floats = a[13];
+    float *aux_out = PTR(float, a[24]);
+    const uint8_t *aux_every = PTR(const uint8_t, a[25]);
+    int threads = (int)a[26];
+    int64_t qkv_size = (hq + 2 * hkv) * dim, n = tokens;
+    Paged p = {NULL, NULL, NULL, NULL, NULL, PTR(const int64_t, a[14]), PTR(const int64_t, a[15]),
+               PTR(const int64_t, a[16]), PTR(const int64_t, a[17]), PTR(const int64_t, a[18]),
+               PTR(const uint8_t, a[19]), tokens, a[20], a[21], a[22], hq, hkv, dim, a[23],
                qkv_size, qkv_size, qkv_size, 1.0f / sqrtf((float)dim)};
-    if (paged_check(&p) || !sgemv) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "decode_layers: no sgemv");
+    if (paged_check(&p)) return NULL;
+    if (dim > 1024) {
+        PyErr_SetString(PyExc_ValueError, "decode_layers: head_dim must be at most 1024");
         return NULL;
     }
-    float *scratch = malloc(sizeof(float) * (hidden + qkv_size + hq * dim + 3 * inter));
+    float *scratch = malloc(sizeof(float) * n * (2 * hidden + qkv_size + hq * dim + 3 * inter));
     if (!scratch) return PyErr_NoMemory();
-    float *h = scratch, *qkv = h + hidden, *att = qkv + qkv_size, *gu = att + hq * dim;
-    float *act = gu + 2 * inter;
+    float *h = scratch, *y = h + n * hidden, *qkv = y + n * hidden, *att = qkv + n * qkv_size;
+    float *gu = att + n * hq * dim, *act = gu + n * 2 * inter;
     int status = 0;
     Py_BEGIN_ALLOW_THREADS
     for (int64_t l = 0; l < layers && !status; l++) {
         const int64_t *w = table + l * LAYER_FIELDS;
         if (w[W_IN_NORM])
-            rms_norm_rows(h, x, PTR(const float, w[W_IN_NORM]), 1, hidden, eps);
+            rms_norm_rows(h, x, PTR(const float, w[W_IN_NORM]), n, hidden, eps);
         else
-            memcpy(h, x, hidden * sizeof(float));
-        if (w[B_QKV]) memcpy(qkv, PTR(const float, w[B_QKV]), qkv_size * sizeof(float));
-        matvec(sgemv, PTR(const float, w[W_QKV]), h, qkv, hidden, qkv_size, w[B_QKV] != 0);
-        rope_rows(qkv, cos, sin, 1, hq + hkv, dim, qkv_size);
+            memcpy(h, x, n * hidden * sizeof(float));
+        apply(linear_of(w, QKV), h, qkv, n, hidden, qkv_size, threads);
+        rope_rows(qkv, cos, sin, n, hq + hkv, dim, qkv_size);
         p.out = att, p.q = qkv, p.k = qkv + hq * dim, p.v = qkv + (hq + hkv) * dim;
         p.store = store_base + w[CACHE_LAYER] * layer_floats;
         status = paged_attend(&p, threads);
-        matvec(sgemv, PTR(const float, w[W_O]), att, x, hq * dim, hidden, 1); /* x += o */
-        rms_norm_rows(h, x, PTR(const float, w[W_POST_NORM]), 1, hidden, eps);
-        matvec(sgemv, PTR(const float, w[W_GATE_UP]), h, gu, hidden, 2 * inter, 0);
-        silu_mul_rows(act, gu, 1, inter);
-        matvec(sgemv, PTR(const float, w[W_DOWN]), act, x, inter, hidden, 1); /* x += down */
+        apply(linear_of(w, O), att, y, n, hq * dim, hidden, threads);
+        for (int64_t i = 0; i < n * hidden; i++) x[i] += y[i];
+        rms_norm_rows(h, x, PTR(const float, w[W_POST_NORM]), n, hidden, eps);
+        apply(linear_of(w, GATE_UP), h, gu, n, hidden, 2 * inter, threads);
+        silu_mul_rows(act, gu, n, inter);
+        apply(linear_of(w, DOWN), act, y, n, inter, hidden, threads);
+        for (int64_t i = 0; i < n * hidden; i++) x[i] += y[i];
         if (aux_every[l]) {
-            memcpy(aux_out, x, hidden * sizeof(float));
-            aux_out += hidden;
+            memcpy(aux_out, x, n * hidden * sizeof(float));
+            aux_out += n * hidden;
         }
     }
     Py_END_ALLOW_THREADS
@@ -525,13 +640,14 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
 }
 
 static PyMethodDef methods[] = {
+    {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL, "x W^T, W blocked"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, "RMSNorm of rows"},
     {"rope", (PyCFunction)(void (*)(void))py_rope, METH_FASTCALL, "rotary embedding in place"},
     {"silu_mul", (PyCFunction)(void (*)(void))py_silu_mul, METH_FASTCALL, "silu(gate) * up"},
     {"paged_attention", (PyCFunction)(void (*)(void))py_paged_attention, METH_FASTCALL,
      "write k, v into the paged store and attend"},
     {"decode_layers", (PyCFunction)(void (*)(void))py_decode_layers, METH_FASTCALL,
-     "a one-token forward through decoder layers"},
+     "a forward of a few tokens through decoder layers"},
     {NULL, NULL, 0, NULL},
 };
 

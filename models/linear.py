@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models import native
+
 PACK_ROWS_HINT = 8  # oneDNN picks its blocking for this many rows: verify passes are 2-16
 # A weight this large streams from memory whichever kernel reads it, and oneDNN's packed
 # layout streams it faster than MKL's one-row product (a real model's lm_head; bench.forward)
@@ -87,8 +89,18 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales.to(linear.weight.dtype), persistent=False)
         self.bias = linear.bias
         self.sizes = linear.sizes
+        self.out_features = q.shape[0]
+        # the native kernels' layout (models/native.py: blocked), which streams int8 at about
+        # float32's bytes per second where torch's kernel is an order of magnitude slower
+        self.blocked: torch.Tensor | None = None
+        self.blocked_scales: torch.Tensor | None = None
+        if native.usable(linear.weight):
+            self.blocked, self.blocked_scales = native.blocked(q), native.padded(scales)
+            self.weight = q.new_empty(0)  # only the blocked copy is read
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocked is not None:
+            return native.linear(x, self.blocked, self.out_features, self.bias, self.blocked_scales)
         y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight, self.scales)
         return y if self.bias is None else y + self.bias
 

@@ -15,7 +15,13 @@ from torch import nn
 
 from models import native
 from models.attention import Attention, TorchPagedAttention
-from models.linear import PackedLinear, make_batch_invariant, pack_linears, quantize_int8
+from models.linear import (
+    Int8Linear,
+    PackedLinear,
+    make_batch_invariant,
+    pack_linears,
+    quantize_int8,
+)
 
 
 @dataclass(frozen=True)
@@ -170,10 +176,10 @@ def prepare_for_inference(
 ) -> None:
     """Fuse q|k|v and gate|up and pack every linear below `module` (models/linear.py), and
     run norms, rotary and silu(gate) * up through the native kernels where they can, a
-    model's one-token forwards through its OneTokenDecoder (models/native.py); the outputs
+    model's forwards of a few tokens through its NativeDecoder (models/native.py); the outputs
     equal the plain forward's up to float rounding. `batch_invariant`: every linear takes
-    oneDNN's packed product (make_batch_invariant), so no OneTokenDecoder. `int8`: every
-    linear weight-only int8 (quantize_int8; its forwards stay on the torch path).
+    oneDNN's packed product (make_batch_invariant), so no NativeDecoder. `int8`: every
+    linear weight-only int8 (quantize_int8).
     Inference only: no backward."""
     fused: set[nn.Module] = set()
     for sub in list(module.modules()):
@@ -193,72 +199,90 @@ def prepare_for_inference(
             sub.native = native.usable(*sub.parameters())
     for sub in module.modules():
         if isinstance(sub, LlamaModel) and not batch_invariant:
-            sub.decoder = OneTokenDecoder.of([layer for layer in sub.layers])  # type: ignore[misc]
+            sub.decoder = NativeDecoder.of([layer for layer in sub.layers])  # type: ignore[misc]
 
 
-class OneTokenDecoder:
-    """A stack of decoder layers run for one token in one native call (models/kernels.c:
-    decode_layers): at batch 1 a step's forwards are one token each, and a layer's dozen small
-    torch operations cost more there than its products."""
+DECODER_MAX_TOKENS = 8  # a forward of at most this many tokens runs through NativeDecoder
 
-    def __init__(self, layers: list[DecoderLayer], table: torch.Tensor):
+
+class NativeDecoder:
+    """A stack of decoder layers run for a few tokens (a decode, a verify of k + 1 rows, a
+    small batch) in one native call (models/kernels.c: decode_layers): there a layer's
+    dozen small torch operations cost more than its products, which the kernels' blocked
+    products stream as fast as torch's."""
+
+    def __init__(self, layers: list[DecoderLayer], table: torch.Tensor, keep: list):
         self.layers = layers
-        self.table = table  # [layers, 8] int64 (kernels.c: the layer table)
+        self.table = table  # [layers, 15] int64 (kernels.c: the layer table)
+        self.keep = keep  # the blocked weights the table points to
         first = layers[0].self_attn
         self.shape = (first.num_heads, first.num_kv_heads, first.head_dim)
-        self.inter = layers[0].mlp.gate_up.sizes[0] if layers[0].mlp.gate_up else 0
+        self.inter = layers[0].mlp.gate_proj.out_features
         self.eps = layers[0].post_attention_layernorm.eps
 
     @classmethod
-    def of(cls, layers: list[DecoderLayer]) -> OneTokenDecoder | None:
+    def of(cls, layers: list[DecoderLayer]) -> NativeDecoder | None:
         """The decoder of these prepared layers, or None where the kernels cannot run them
         (not built, not float32 on the CPU, a head size the attention kernel does not take,
-        a linear that does not stream [in, out] weights to BLAS for one row)."""
+        batch-invariant linears)."""
         rows: list[list[int]] = []
+        keep: list[torch.Tensor] = []
+
+        def linear(lin: nn.Module) -> list[int]:
+            if isinstance(lin, Int8Linear) and lin.blocked is not None:
+                weight, scales = lin.blocked, lin.blocked_scales
+            elif isinstance(lin, PackedLinear) and lin.packed is not None:
+                weight, scales = native.blocked(lin.weight.detach()), None
+            else:
+                raise _NotNative
+            bias = lin.bias.detach().contiguous() if lin.bias is not None else None
+            keep.extend(t for t in (weight, scales, bias) if t is not None)
+            return [t.data_ptr() if t is not None else 0 for t in (weight, scales, bias)]
+
         for layer in layers:
             attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
-            linears = [attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj]
-            plain = all(
-                isinstance(lin, PackedLinear) and lin.packed is not None and not lin.one_row_packed
-                for lin in linears
-            )
-            if not (plain and attn.native and mlp.native and native.decoder_usable(attn.head_dim)):
+            if not (attn.native and mlp.native and native.decoder_usable(attn.head_dim)):
                 return None
-            assert attn.qkv is not None and mlp.gate_up is not None
-            if attn.o_proj.bias is not None or mlp.down_proj.bias is not None:
-                return None
+            assert attn.qkv is not None and mlp.gate_up is not None  # prepared
             norms = [n for n in (norm, layer.post_attention_layernorm) if isinstance(n, RMSNorm)]
-            if len({n.eps for n in norms}) != 1:
+            if len({n.eps for n in norms}) != 1 or any(
+                isinstance(lin, PackedLinear) and lin.one_row_packed
+                for lin in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)
+            ):
                 return None
-            rows.append([
+            try:
+                products = [linear(m) for m in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)]
+            except _NotNative:
+                return None
+            head = [
                 norm.weight.data_ptr() if isinstance(norm, RMSNorm) else 0,
-                attn.qkv.weight.data_ptr(),
-                attn.qkv.bias.data_ptr() if attn.qkv.bias is not None else 0,
-                attn.o_proj.weight.data_ptr(),
                 layer.post_attention_layernorm.weight.data_ptr(),
-                mlp.gate_up.weight.data_ptr(),
-                mlp.down_proj.weight.data_ptr(),
                 attn.layer,
-            ])  # fmt: skip
-        return cls(layers, torch.tensor(rows, dtype=torch.int64)) if rows else None
+            ]
+            rows.append(head + [p for ptrs in products for p in ptrs])
+        return cls(layers, torch.tensor(rows, dtype=torch.int64), keep) if rows else None
 
     def __call__(
         self,
-        x: torch.Tensor,  # [1, H], the residual stream, updated in place
+        x: torch.Tensor,  # [T, H], the residual stream, updated in place
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn: TorchPagedAttention,
         aux_layers: tuple[int, ...],
     ) -> list[torch.Tensor]:
-        """The outputs of `aux_layers` ([1, H] each); x holds the last layer's."""
+        """The outputs of `aux_layers` ([T, H] each); x holds the last layer's."""
         assert attn.kernel is not None
         every = torch.zeros(len(self.layers), dtype=torch.uint8)
         aux = [i for i in range(len(self.layers)) if i in aux_layers]
         every[aux] = 1
-        out = x.new_empty(len(aux), x.shape[1])
+        out = x.new_empty(len(aux), *x.shape)
         native.decode_layers(x, self.table, self.shape, self.inter, self.eps, cos, sin,
                              attn.kernel, attn.cache.data, out, every)  # fmt: skip
-        return list(out.split(1))
+        return list(out.unbind(0))
+
+
+class _NotNative(Exception):
+    """A linear NativeDecoder cannot run (NativeDecoder.of)."""
 
 
 class Rotary(nn.Module):
@@ -286,7 +310,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.decoder: OneTokenDecoder | None = None  # one-token forwards (prepare_for_inference)
+        self.decoder: NativeDecoder | None = None  # short forwards (prepare_for_inference)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -302,7 +326,7 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary(positions)
         if (
             self.decoder is not None
-            and x.shape[0] == 1
+            and x.shape[0] <= DECODER_MAX_TOKENS
             and isinstance(attn, TorchPagedAttention)
             and attn.kernel is not None
         ):

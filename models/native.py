@@ -40,26 +40,47 @@ def attention_usable(cache_data: torch.Tensor, head_dim: int) -> bool:
     return usable(cache_data) and head_dim % 16 == 0
 
 
-def _blas_sgemv() -> int:
-    """The address of sgemv_ in the BLAS that torch's CPU library carries (MKL in the x86
-    wheels), or 0: OneTokenDecoder then stays off."""
-    import ctypes
-
-    lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
-    try:
-        handle = ctypes.CDLL(lib, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)  # torch loaded it
-        return ctypes.cast(handle.sgemv_, ctypes.c_void_p).value or 0
-    except (OSError, AttributeError):
-        return 0
-
-
-SGEMV = _blas_sgemv() if _kernels is not None else 0
-
-
 def decoder_usable(head_dim: int) -> bool:
-    """Whether decode_layers runs: the kernels built, a BLAS sgemv found, heads of whole
-    16-float vectors."""
-    return available() and SGEMV != 0 and head_dim % 16 == 0 and head_dim <= 1024
+    """Whether decode_layers runs: the kernels built, heads of whole 16-float vectors."""
+    return available() and head_dim % 16 == 0 and head_dim <= 1024
+
+
+BLOCK = 16  # outputs a block of a blocked weight (kernels.c: products with blocked weights)
+
+
+def blocked(weight: torch.Tensor) -> torch.Tensor:
+    """W [O, I] (float32 or int8) as kernels.c's blocks: [ceil(O / 16), I, 16], zero-padded."""
+    out, inp = weight.shape
+    pad = -out % BLOCK
+    w = torch.cat([weight, weight.new_zeros(pad, inp)]) if pad else weight.contiguous()
+    return w.view(-1, BLOCK, inp).transpose(1, 2).contiguous()
+
+
+def padded(v: torch.Tensor) -> torch.Tensor:
+    """A per-output vector padded with zeros to whole blocks (int8 scales)."""
+    pad = -v.shape[0] % BLOCK
+    return torch.cat([v, v.new_zeros(pad)]) if pad else v.contiguous()
+
+
+def linear(
+    x: torch.Tensor,  # [M, I] float32
+    weight: torch.Tensor,  # blocked(): float32, or int8 with `scales`
+    out_features: int,
+    bias: torch.Tensor | None = None,
+    scales: torch.Tensor | None = None,  # padded() [ceil(O / 16) * 16] float32
+) -> torch.Tensor:
+    """x W^T + bias [M, O] from blocked weights."""
+    x = x.contiguous()
+    rows, inp = x.shape
+    y = x.new_empty(rows, out_features)
+    int8 = weight.dtype == torch.int8
+    _kernels.linear(
+        y.data_ptr(), x.data_ptr(), 0 if int8 else weight.data_ptr(),
+        weight.data_ptr() if int8 else 0, scales.data_ptr() if scales is not None else 0,
+        bias.data_ptr() if bias is not None else 0, rows, inp, out_features,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return y
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -141,29 +162,27 @@ class PagedAttention:
 
 
 def decode_layers(
-    x: torch.Tensor,  # [1, H] float32, updated in place
-    table: torch.Tensor,  # [layers, 8] int64 (kernels.c)
+    x: torch.Tensor,  # [T, H] float32, updated in place
+    table: torch.Tensor,  # [layers, 15] int64 (kernels.c)
     shape: tuple[int, int, int],  # q heads, kv heads, head_dim
     inter: int,
     eps: float,
-    cos: torch.Tensor,  # [1, 1, D]
+    cos: torch.Tensor,  # [T, 1, D]
     sin: torch.Tensor,
     attention: PagedAttention,  # this forward's, over `store`
     store: torch.Tensor,  # the cache [layers, pages, 2, page_size, Hkv, D], contiguous
-    aux_out: torch.Tensor,  # [sum(aux_every), H]
+    aux_out: torch.Tensor,  # [sum(aux_every), T, H]
     aux_every: torch.Tensor,  # [layers] uint8
 ) -> None:
-    """One token through the table's layers (kernels.c: decode_layers)."""
+    """The T tokens through the table's layers (kernels.c: decode_layers)."""
     hq, hkv, dim = shape
     if not (x.is_contiguous() and store.is_contiguous() and cos.is_contiguous()):
         raise ValueError("decode_layers: x, the cache and cos must be contiguous")
-    if x.shape[0] != 1 or attention.qmax != 1:
-        raise ValueError("decode_layers runs one token")
     _kernels.decode_layers(
-        x.data_ptr(), table.data_ptr(), table.shape[0], x.shape[1], hq, hkv, dim, inter, eps,
-        cos.data_ptr(), sin.data_ptr(), store.data_ptr(), store.stride(0), *attention.pointers,
-        attention.seqs, attention.qmax, attention.lmax, attention.page_size, aux_out.data_ptr(),
-        aux_every.data_ptr(), torch.get_num_threads(), SGEMV,
+        x.data_ptr(), table.data_ptr(), table.shape[0], x.shape[0], x.shape[1], hq, hkv, dim,
+        inter, eps, cos.data_ptr(), sin.data_ptr(), store.data_ptr(), store.stride(0),
+        *attention.pointers, attention.seqs, attention.qmax, attention.lmax,
+        attention.page_size, aux_out.data_ptr(), aux_every.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
 
 

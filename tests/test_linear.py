@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from models import native
 from models.attention import CausalAttention
 from models.linear import Int8Linear, PackedLinear
 from models.llama import LlamaConfig, LlamaModel, prepare_for_inference
@@ -64,7 +65,7 @@ def test_int8_linear_is_within_its_rounding_of_the_float_product(rows):
     linears = [torch.nn.Linear(64, 48, bias=True), torch.nn.Linear(64, 16, bias=False)]
     packed = PackedLinear(linears)
     int8 = Int8Linear(packed)
-    assert int8.weight.dtype == torch.int8
+    assert int8.scales.shape == (64,)
     x = torch.randn(rows, 64)
     with torch.inference_mode():
         want = torch.cat([lin(x) for lin in linears], -1)
@@ -84,4 +85,5 @@ def test_an_int8_model_keeps_its_tied_embedding_float():
         model.layers[0].mlp.gate_up, Int8Linear
     )
     assert model.embed_tokens.weight.dtype == torch.float32
-    assert model.decoder is None  # one-token forwards stay on the torch path
+    if native.available():  # short forwards through the kernels' int8 products
+        assert model.decoder is not None
