@@ -164,22 +164,31 @@ static inline v16 int8_weights(const int8_t *q) {
 #define GEMM_BLOCK(ROWS)                                                                      \
     static void gemm_block_##ROWS(const float *x, const float *wf, const int8_t *wq,         \
                                   const float *scales, const float *bias, float *y,           \
-                                  int64_t m0, int64_t in, int64_t out, int64_t ob) {          \
-        v16 acc[ROWS];                                                                        \
-        for (int m = 0; m < ROWS; m++) acc[m] = splat(0.0f);                                  \
-        int64_t base = ob * in * 16;                                                          \
+                                  int64_t m0, int64_t in, int64_t out, int64_t ob,            \
+                                  int64_t nb) {                                               \
+        v16 acc[2][ROWS];                                                                     \
+        for (int m = 0; m < ROWS; m++) acc[0][m] = acc[1][m] = splat(0.0f);                   \
+        int64_t base = ob * in * 16, next = nb > 1 ? in * 16 : 0;                             \
         const float *xr = x + m0 * in;                                                        \
         if (wq)                                                                               \
             for (int64_t i = 0; i < in; i++) {                                                \
-                v16 w = int8_weights(wq + base + i * 16);                                     \
-                for (int m = 0; m < ROWS; m++) acc[m] += xr[m * in + i] * w;                  \
+                v16 w0 = int8_weights(wq + base + i * 16);                                    \
+                v16 w1 = int8_weights(wq + base + next + i * 16);                             \
+                for (int m = 0; m < ROWS; m++) {                                              \
+                    float xm = xr[m * in + i];                                                \
+                    acc[0][m] += xm * w0, acc[1][m] += xm * w1;                               \
+                }                                                                             \
             }                                                                                 \
         else                                                                                  \
             for (int64_t i = 0; i < in; i++) {                                                \
-                v16 w = load16(wf + base + i * 16);                                           \
-                for (int m = 0; m < ROWS; m++) acc[m] += xr[m * in + i] * w;                  \
+                v16 w0 = load16(wf + base + i * 16), w1 = load16(wf + base + next + i * 16);  \
+                for (int m = 0; m < ROWS; m++) {                                              \
+                    float xm = xr[m * in + i];                                                \
+                    acc[0][m] += xm * w0, acc[1][m] += xm * w1;                               \
+                }                                                                             \
             }                                                                                 \
-        store_block(acc, ROWS, scales, bias, y, m0, out, ob);                                 \
+        for (int64_t b = 0; b < nb; b++)                                                      \
+            store_block(acc[b], ROWS, scales, bias, y, m0, out, ob + b);                      \
     }
 
 static inline void store_block(const v16 *acc, int rows, const float *scales, const float *bias,
@@ -205,7 +214,8 @@ GEMM_BLOCK(7)
 GEMM_BLOCK(8)
 
 typedef void (*gemm_block_fn)(const float *, const float *, const int8_t *, const float *,
-                              const float *, float *, int64_t, int64_t, int64_t, int64_t);
+                              const float *, float *, int64_t, int64_t, int64_t, int64_t,
+                              int64_t);
 static const gemm_block_fn GEMM_BLOCKS[GEMM_ROWS + 1] = {
     NULL,          gemm_block_1, gemm_block_2, gemm_block_3, gemm_block_4,
     gemm_block_5, gemm_block_6, gemm_block_7, gemm_block_8,
@@ -214,12 +224,14 @@ static const gemm_block_fn GEMM_BLOCKS[GEMM_ROWS + 1] = {
 static void gemm(const float *x, const float *wf, const int8_t *wq, const float *scales,
                  const float *bias, float *y, int64_t m_rows, int64_t in, int64_t out,
                  int threads) {
-    int64_t blocks = (out + 15) / 16;
+    int64_t blocks = (out + 15) / 16, pairs = (blocks + 1) / 2;
     for (int64_t m0 = 0; m0 < m_rows; m0 += GEMM_ROWS) {
         int64_t rows = m_rows - m0 < GEMM_ROWS ? m_rows - m0 : GEMM_ROWS;
 #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t ob = 0; ob < blocks; ob++)
-            GEMM_BLOCKS[rows](x, wf, wq, scales, bias, y, m0, in, out, ob);
+        for (int64_t pair = 0; pair < pairs; pair++) {
+            int64_t ob = 2 * pair;
+            GEMM_BLOCKS[rows](x, wf, wq, scales, bias, y, m0, in, out, ob, ob + 1 < blocks ? 2 : 1);
+        }
     }
 }
 
