@@ -22,7 +22,15 @@ from safetensors.torch import save_file
 from torch import nn
 
 from models.attention import Attention
-from models.llama import DecoderLayer, LlamaConfig, LlamaModel, RMSNorm, Rotary
+from models.llama import (
+    DecoderLayer,
+    LlamaConfig,
+    LlamaModel,
+    NativeDecoder,
+    RMSNorm,
+    Rotary,
+    run_layers,
+)
 from models.loader import (
     CONFIG,
     WEIGHTS,
@@ -59,6 +67,7 @@ class EagleHead(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg, 0, input_norm=norms)])
         self.norm: nn.Module = RMSNorm(h, cfg.rms_norm_eps) if norms else nn.Identity()
         self.rotary = Rotary(cfg)
+        self.decoder: NativeDecoder | None = None  # short forwards (prepare_for_inference)
         object.__setattr__(self, "target", target)
 
     def forward(
@@ -72,8 +81,12 @@ class EagleHead(nn.Module):
         embeds = self.target.embed_tokens(input_ids)  # [T, H]
         x = self.fc(torch.cat((embeds, features.to(embeds.dtype)), dim=-1))
         cos, sin = self.rotary(positions)
-        x = self.layers[0](x, cos, sin, attn)
+        x, _ = run_layers(self.layers, self.decoder, x, cos, sin, attn)
         return self.norm(x)
+
+    def stack(self) -> list[DecoderLayer]:
+        """The head's layer, for NativeDecoder (prepare_for_inference)."""
+        return list(self.layers)  # type: ignore[arg-type]
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """[R, vocab] from the head's features [R, H], through the target's lm_head."""

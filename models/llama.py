@@ -7,7 +7,9 @@ the rows a caller asks for (`logits`), never to every prompt token.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -198,8 +200,44 @@ def prepare_for_inference(
         if isinstance(sub, RMSNorm | SelfAttention | MLP):
             sub.native = native.usable(*sub.parameters())
     for sub in module.modules():
-        if isinstance(sub, LlamaModel) and not batch_invariant:
-            sub.decoder = NativeDecoder.of([layer for layer in sub.layers])  # type: ignore[misc]
+        if isinstance(sub, Stacked) and not batch_invariant:
+            sub.decoder = NativeDecoder.of(sub.stack())
+
+
+@runtime_checkable
+class Stacked(Protocol):
+    """A model or head whose decoder layers a NativeDecoder can run (run_layers)."""
+
+    decoder: NativeDecoder | None
+
+    def stack(self) -> list[DecoderLayer]: ...
+
+
+def run_layers(
+    layers: Iterable[nn.Module],
+    decoder: NativeDecoder | None,
+    x: torch.Tensor,  # [T, H]
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    attn: Attention,
+    aux_layers: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """x through the decoder layers of a model or head: by its NativeDecoder where that runs
+    (a few tokens, the native attention), else layer by layer; and the outputs of
+    `aux_layers`."""
+    if (
+        decoder is not None
+        and x.shape[0] <= DECODER_MAX_TOKENS
+        and isinstance(attn, TorchPagedAttention)
+        and attn.kernel is not None
+    ):
+        return x, decoder(x, cos, sin, attn, aux_layers)
+    aux = []
+    for i, layer in enumerate(layers):
+        x = layer(x, cos, sin, attn)
+        if i in aux_layers:
+            aux.append(x)
+    return x, aux
 
 
 DECODER_MAX_TOKENS = 8  # a forward of at most this many tokens runs through NativeDecoder
@@ -324,20 +362,12 @@ class LlamaModel(nn.Module):
         """Hidden states after the final norm [T, H], and the outputs of `aux_layers` [T, H]."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions)
-        if (
-            self.decoder is not None
-            and x.shape[0] <= DECODER_MAX_TOKENS
-            and isinstance(attn, TorchPagedAttention)
-            and attn.kernel is not None
-        ):
-            aux = self.decoder(x, cos, sin, attn, aux_layers)
-            return self.norm(x), aux
-        aux = []
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attn)
-            if i in aux_layers:
-                aux.append(x)
+        x, aux = run_layers(self.layers, self.decoder, x, cos, sin, attn, aux_layers)
         return self.norm(x), aux
+
+    def stack(self) -> list[DecoderLayer]:
+        """The decoder layers, for NativeDecoder (prepare_for_inference)."""
+        return list(self.layers)  # type: ignore[arg-type]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, vocab] for the chosen rows hidden [R, H]."""

@@ -30,7 +30,15 @@ from safetensors.torch import save_file
 from torch import nn
 
 from models.attention import Attention
-from models.llama import DecoderLayer, LlamaConfig, LlamaModel, RMSNorm, Rotary
+from models.llama import (
+    DecoderLayer,
+    LlamaConfig,
+    LlamaModel,
+    NativeDecoder,
+    RMSNorm,
+    Rotary,
+    run_layers,
+)
 from models.loader import (
     CONFIG,
     DTYPES,
@@ -74,6 +82,7 @@ class MTPHead(nn.Module):
         self.block = DecoderLayer(self.config, 0)
         self.shared_head = SharedHead(self.config)
         self.rotary = Rotary(self.config)
+        self.decoder: NativeDecoder | None = None  # short forwards (prepare_for_inference)
         object.__setattr__(self, "target", target)
 
     def forward(
@@ -87,7 +96,11 @@ class MTPHead(nn.Module):
         embed = self.enorm(self.target.embed_tokens(input_ids))
         x = self.eh_proj(torch.cat((embed, self.hnorm(hidden)), dim=-1))
         cos, sin = self.rotary(positions)
-        return self.block(x, cos, sin, attn)
+        return run_layers([self.block], self.decoder, x, cos, sin, attn)[0]
+
+    def stack(self) -> list[DecoderLayer]:
+        """The head's block, for NativeDecoder (prepare_for_inference)."""
+        return [self.block]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, vocab] from block outputs [R, H], through the head's norm and the target's head."""
