@@ -266,13 +266,14 @@ class NativeDecoder:
         rows: list[list[int]] = []
         keep: list[torch.Tensor] = []
 
-        def linear(lin: nn.Module) -> list[int]:
+        def linear(lin: nn.Module) -> list[int] | None:
+            """(weight, scales, bias) pointers of a product the kernels can run."""
             if isinstance(lin, Int8Linear) and lin.blocked is not None:
                 weight, scales = lin.blocked, lin.blocked_scales
             elif isinstance(lin, PackedLinear) and lin.packed is not None:
                 weight, scales = native.blocked(lin.weight.detach()), None
             else:
-                raise _NotNative
+                return None
             bias = lin.bias.detach().contiguous() if lin.bias is not None else None
             keep.extend(t for t in (weight, scales, bias) if t is not None)
             return [t.data_ptr() if t is not None else 0 for t in (weight, scales, bias)]
@@ -288,16 +289,15 @@ class NativeDecoder:
                 for lin in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)
             ):
                 return None
-            try:
-                products = [linear(m) for m in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)]
-            except _NotNative:
+            products = [linear(m) for m in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)]
+            if any(p is None for p in products):
                 return None
             head = [
                 norm.weight.data_ptr() if isinstance(norm, RMSNorm) else 0,
                 layer.post_attention_layernorm.weight.data_ptr(),
                 attn.layer,
             ]
-            rows.append(head + [p for ptrs in products for p in ptrs])
+            rows.append(head + [p for ptrs in products if ptrs for p in ptrs])
         return cls(layers, torch.tensor(rows, dtype=torch.int64), keep) if rows else None
 
     def __call__(
@@ -317,10 +317,6 @@ class NativeDecoder:
         native.decode_layers(x, self.table, self.shape, self.inter, self.eps, cos, sin,
                              attn.kernel, attn.cache.data, out, every)  # fmt: skip
         return list(out.unbind(0))
-
-
-class _NotNative(Exception):
-    """A linear NativeDecoder cannot run (NativeDecoder.of)."""
 
 
 class Rotary(nn.Module):
