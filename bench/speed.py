@@ -206,8 +206,9 @@ def parse_args(
     p.add_argument("--eagle-head", help="EAGLE head directory (default: the demo's)")
     p.add_argument("--mtp-head", help="MTP head directory (default: the demo's)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (the cores here)")
-    p.add_argument("--out", type=Path, default=Path("bench/results/speed.json"))
-    p.add_argument("--plot", type=Path, default=Path("bench/results/speed.png"))
+    # no defaults: a quick run must not overwrite the committed results
+    p.add_argument("--out", type=Path, help="the JSON report (bench/results/speed.json)")
+    p.add_argument("--plot", type=Path, help="the plot (bench/results/speed.png)")
     args = p.parse_args(argv)
     if args.repeats < min_repeats:
         p.error(f"--repeats must be at least {min_repeats}")
@@ -231,9 +232,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     print(markdown_table(rows))
     for g in goals:
         print(aim_line(g))
-    write_json(args.out, args, rows, goals, time.perf_counter() - start)
-    plot(rows, args.plot)
-    print(f"wrote {args.out} and {args.plot} in {time.perf_counter() - start:.0f} s")
+    if args.out:
+        write_json(args.out, args, rows, goals, time.perf_counter() - start)
+    if args.plot:
+        plot(rows, args.plot)
+    written = " and ".join(str(p) for p in (args.out, args.plot) if p) or "nothing"
+    print(f"wrote {written} in {time.perf_counter() - start:.0f} s")
     return rows
 
 
