@@ -4,7 +4,7 @@
         [--draft DIR --draft-gguf FILE] [--eagle DIR] [--mtp DIR]
         [--methods plain draft ngram-simple ngram-mod eagle mtp] [--batches 1 4]
         [--temperatures 0 1] [--max-tokens 128] [--prompts 8] [--repeats 3] [--k 4]
-        [--fixed-k] [--ttft-tokens 2000] [--threads 2] [--quantization int8]
+        [--fixed-k] [--ttft-tokens 2000] [--threads 2] [--quantization int8] [--rounds 1]
         [--out bench/results/peer.json]
 
 One server runs at a time. Ours is `server.py --speculative none|draft|ngram|eagle|mtp`;
@@ -21,8 +21,10 @@ distribution on both sides.
 
 A cell (method, batch, temperature) sends `--prompts` requests in groups of `batch`
 concurrent ones; its tokens/s is output tokens over the groups' wall time at the client, the
-median over the repeats. Acceptance is draft tokens accepted over proposed: ours from the spec
-counters of /metrics, llama.cpp's from the `timings` of its responses. Time to first token is
+median over the repeats (of every round: `--rounds N` runs the whole plan N times, the two
+sides taking turns, so that the machine's drift over minutes reaches both). Acceptance is
+draft tokens accepted over proposed: ours from the spec counters of /metrics, llama.cpp's
+from the `timings` of its responses. Time to first token is
 the wall time of a one-token request on a `--ttft-tokens` prompt at batch 1 (median). The floor
 is the target's weight bytes as each server holds them (ours float32, llama.cpp's as its
 /v1/models reports) over the read bandwidth of bench/bandwidth.py: the least time a batch-1
@@ -327,6 +329,21 @@ def tandem_weight_bytes(directory: Path, int8: bool = False) -> int:
 # ---- rows and outputs ----
 
 
+def merged(earlier: JSON, later: JSON) -> JSON:
+    """One launch's results over its rounds so far: every cell's repeats together, time to
+    first token the mean of the rounds' medians."""
+    out = dict(later)
+    out["cells"] = {
+        key: Cell(a.rates + b.rates, a.drafted + b.drafted, a.accepted + b.accepted)
+        for (key, a), b in zip(earlier["cells"].items(), later["cells"].values(), strict=True)
+    }
+    if "ttft" in earlier:
+        rounds = earlier.get("rounds", 1)
+        out["ttft"] = (earlier["ttft"] * rounds + later["ttft"]) / (rounds + 1)
+    out["rounds"] = earlier.get("rounds", 1) + 1
+    return out
+
+
 def launch_key(side: Side, method: str, batch: int) -> tuple[str, str, int] | None:
     """The launch that measured a side's method at a batch; None where the side lacks it."""
     spec = METHODS[method][side is LLAMA]
@@ -384,6 +401,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
     p.add_argument("--prompts", type=int, default=8, help="requests per cell (>= one batch)")
     p.add_argument("--repeats", type=int, default=3, help="of each cell (median)")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="times the whole plan runs, the sides in turn"
+    )
     p.add_argument("--k", type=int, default=4, help="draft tokens a step, at most (both sides)")
     p.add_argument("--fixed-k", action="store_true", help="ours drafts k every step")
     p.add_argument(
@@ -400,8 +420,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if "draft" in args.methods and args.draft_gguf is None:
         p.error("--methods draft needs --draft-gguf")
-    if min(args.batches) < 1 or args.max_tokens < 1 or args.prompts < 1 or args.repeats < 1:
-        p.error("--batches, --max-tokens, --prompts and --repeats must be at least 1")
+    if min(args.batches) < 1 or min(args.max_tokens, args.prompts, args.repeats, args.rounds) < 1:
+        p.error("--batches, --max-tokens, --prompts, --repeats and --rounds must be at least 1")
     if args.ttft_tokens < 0:
         p.error("--ttft-tokens must not be negative")
     args.log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-peer-"))
@@ -415,11 +435,14 @@ def run(args: argparse.Namespace) -> JSON:
     bandwidth = measure_bandwidth(args.threads)  # before any server takes the cores
     prompts, ttft_prompt = bench_prompts(Tokenizer(args.model), args.prompts, args.ttft_tokens)
     plan = launches(args, max(map(len, prompts)) + args.max_tokens + 2 * args.k + 8)
-    results = {}
-    for launch in plan:
-        print(f"bench.peer: {launch.side.name} {launch.spec} (np {launch.slots})", flush=True)
-        key = (launch.side.name, launch.spec, launch.slots)
-        results[key] = asyncio.run(measure_launch(launch, prompts, ttft_prompt, args))
+    results: dict[tuple, JSON] = {}
+    for round_ in range(args.rounds):  # the sides take turns: the machine's drift hits both
+        for launch in plan:
+            print(f"bench.peer: round {round_ + 1}: {launch.side.name} {launch.spec} "
+                  f"(np {launch.slots})", flush=True)  # fmt: skip
+            key = (launch.side.name, launch.spec, launch.slots)
+            result = asyncio.run(measure_launch(launch, prompts, ttft_prompt, args))
+            results[key] = merged(results[key], result) if key in results else result
     weights = {TANDEM.name: tandem_weight_bytes(args.model, args.quantization == "int8")}
     for result in results.values():  # every llama.cpp launch holds the same GGUF
         if "weight_bytes" in result:
