@@ -1,17 +1,17 @@
-/* Fused CPU kernels for the forward's small operations (float32, one thread each).
+/* Native CPU kernels for a forward of a few tokens (float32, int8 weights).
  *
  * A decode forward of a small model issues about a thousand small torch operations, each of
- * which costs microseconds of dispatch for a few hundred floats of work; these kernels do each
- * group of them in one call: an RMSNorm, the rotary embedding of q and k, silu(gate) * up, and
- * the paged attention of a few queries a sequence that reads keys and values where the cache
- * keeps them (instead of gathering them into a fresh buffer per layer).
+ * which costs microseconds of dispatch for a few hundred floats of work. Here are: an RMSNorm,
+ * the rotary embedding of q and k, silu(gate) * up, a paged attention of a few queries a
+ * sequence that reads keys and values where the cache keeps them, products over blocked
+ * float32 or int8 weights, and decode_layers, which runs all of a forward's layers in one call.
  *
  * The caller (models/native.py) passes tensors as data pointers and guarantees their shapes,
  * dtypes and contiguity; nothing here allocates Python objects or touches torch. Loops are
  * written on 16-lane vectors (or as `omp simd` loops without reductions); every reduction
- * runs in a fixed order, so a row's result depends only on that row. The attention's threads are an OpenMP
- * team: the process's libgomp is torch's (the same soname, loaded first), so they are the
- * threads torch's own operations use.
+ * runs in a fixed order, so a row's result depends only on that row. The threads of the
+ * attention and the products are an OpenMP team: the process's libgomp is torch's (the same
+ * soname, loaded first), so they are the threads torch's own operations use.
  */
 
 #define PY_SSIZE_T_CLEAN

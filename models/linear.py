@@ -76,9 +76,9 @@ class PackedLinear(nn.Module):
 
 class Int8Linear(nn.Module):
     """A PackedLinear's product with weight-only int8: W ~ scales * Q, Q int8 [O, I] with one
-    scale a row (symmetric: the row's largest magnitude maps to 127), x and the result float.
-    The product is torch's own int8 weight-pack kernel (`aten._weight_int8pack_mm`), which
-    reads a quarter of float32's bytes (`--quantization int8`)."""
+    scale a row (symmetric: the row's largest magnitude maps to 127), x and the result float;
+    a quarter of float32's bytes (`--quantization int8`). The product is the native kernels'
+    over blocked weights where they built, else torch's `aten._weight_int8pack_mm`."""
 
     def __init__(self, linear: PackedLinear):
         super().__init__()
@@ -90,8 +90,8 @@ class Int8Linear(nn.Module):
         self.bias = linear.bias
         self.sizes = linear.sizes
         self.out_features = q.shape[0]
-        # the native kernels' layout (models/native.py: blocked), which streams int8 at about
-        # float32's bytes per second where torch's kernel is an order of magnitude slower
+        # the native kernels' layout (models/native.py: blocked): they stream int8 at the
+        # memory's rate, torch's kernel ran SmolLM2's forward at 18x its floor
         self.blocked: torch.Tensor | None = None
         self.blocked_scales: torch.Tensor | None = None
         if native.usable(linear.weight):

@@ -253,6 +253,8 @@ class NativeDecoder:
         self.layers = layers
         self.table = table  # [layers, 15] int64 (kernels.c: the layer table)
         self.keep = keep  # the blocked weights the table points to
+        # per choice of aux layers: [layers] uint8 flags and how many are set
+        self.aux_flags: dict[tuple[int, ...], tuple[torch.Tensor, int]] = {}
         first = layers[0].self_attn
         self.shape = (first.num_heads, first.num_kv_heads, first.head_dim)
         self.inter = layers[0].mlp.gate_proj.out_features
@@ -310,10 +312,13 @@ class NativeDecoder:
     ) -> list[torch.Tensor]:
         """The outputs of `aux_layers` ([T, H] each); x holds the last layer's."""
         assert attn.kernel is not None
-        every = torch.zeros(len(self.layers), dtype=torch.uint8)
-        aux = [i for i in range(len(self.layers)) if i in aux_layers]
-        every[aux] = 1
-        out = x.new_empty(len(aux), *x.shape)
+        if aux_layers not in self.aux_flags:  # built once per choice of layers
+            chosen = [i for i in range(len(self.layers)) if i in aux_layers]
+            flags = torch.zeros(len(self.layers), dtype=torch.uint8)
+            flags[chosen] = 1
+            self.aux_flags[aux_layers] = flags, len(chosen)
+        every, count = self.aux_flags[aux_layers]
+        out = x.new_empty(count, *x.shape)
         native.decode_layers(x, self.table, self.shape, self.inter, self.eps, cos, sin,
                              attn.kernel, attn.cache.data, out, every)  # fmt: skip
         return list(out.unbind(0))
