@@ -154,6 +154,7 @@ class TargetOutput:
     input_ids: torch.Tensor  # [T] tokens the target ran over
     hidden: torch.Tensor  # [T, H] hidden states after the final norm
     logits: torch.Tensor  # [B, W, V] logits at the verified positions (W = k + 1)
+    aux: torch.Tensor | None = None  # [T, n * H] the drafter's target_layers' outputs, side by side
 
 
 @dataclass

@@ -118,7 +118,7 @@ class Builder:
             history=history,
             insert=insert_kernel(self.device),
             drafter=drafter,
-            verifier=Verifier(model, cache, attention, history),
+            verifier=Verifier(model, cache, attention, history, drafter.target_layers),
             sampler=SampleStage(history, model.config.vocab_size),
             refiller=RefillStage(history, drafter),
         )

@@ -104,7 +104,8 @@ class RMSNorm(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer: int):
+    def __init__(self, cfg: LlamaConfig, layer: int, in_features: int = 0):
+        """`in_features`: the width q, k and v read (0: hidden_size; EAGLE-3's layer reads 2H)."""
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -113,9 +114,10 @@ class SelfAttention(nn.Module):
             cfg.head_dim,
         )
         h, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(h, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        inp = in_features or h
+        self.q_proj = nn.Linear(inp, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(inp, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(inp, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=False)
         self.qkv: PackedLinear | None = None  # q|k|v fused for inference (prepare_for_inference)
         self.native = False  # rotary through models/kernels.c (prepare_for_inference)

@@ -102,7 +102,7 @@ class Drafter(Protocol):
     forward ran over (0: none), which the step timeline records.
     """
 
-    uses_hidden: bool  # whether the target must keep hidden states for it
+    target_layers: tuple[int, ...]  # target layers whose outputs it reads (TargetOutput.aux)
 
     def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int]] | None: ...
 
@@ -121,7 +121,7 @@ class Drafter(Protocol):
 class NoDrafter:
     """Plain decoding: proposes nothing."""
 
-    uses_hidden = False
+    target_layers = ()
 
     def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int]] | None:
         return None

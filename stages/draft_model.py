@@ -19,7 +19,7 @@ from stages.plan import drafter_metadata
 
 
 class DraftModelDrafter:
-    uses_hidden = False
+    target_layers = ()
 
     def __init__(
         self,

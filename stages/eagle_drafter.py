@@ -21,7 +21,7 @@ from core.params import SamplingTensors
 from core.step import DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
 from kv.cache import KVCache
 from models.attention import Attention, AttentionBackend
-from models.eagle import EagleHead
+from models.eagle import Eagle3Head, EagleHead
 from stages.draft import draft_chain, probe_head, refill_columns
 from stages.plan import drafter_metadata
 from stages.sampling import SALT_CHILD, coupling_noise, draw, process_logits, uniforms
@@ -29,17 +29,16 @@ from stages.tree import move_tree_path, tree_ancestors, tree_drafts
 
 
 class EagleDrafter:
-    uses_hidden = True
-
     def __init__(
         self,
-        head: EagleHead,
+        head: EagleHead | Eagle3Head,
         cache: KVCache,
         attention: AttentionBackend,
         max_rows: int,
         sampled: bool,
     ):
         self.head = head
+        self.target_layers = head.target_layers
         self.cache = cache  # one layer, indexed by the engine's page ids
         self.attention = attention
         self.sampled = sampled
@@ -65,7 +64,8 @@ class EagleDrafter:
         meta = dev.target_meta
         seq = torch.div(meta.q_index, meta.max_q, rounding_mode="floor")  # [T]
         first = meta.q_index % meta.max_q == 0  # [T] first token of its sequence's chunk
-        previous = torch.roll(out.hidden, 1, 0)  # [T, H] hidden of the token before
+        target = self.head.target_features(out)  # [T, H]
+        previous = torch.roll(target, 1, 0)  # [T, H] feature of the token before
         features = torch.where(first[:, None], self.last_feature[dev.token_rows], previous)
         positions = (dev.positions - 1).clamp(min=0)  # [T]
         slots = meta.kv_slots[seq, positions]
@@ -79,12 +79,12 @@ class EagleDrafter:
             shared=meta.shared,
         )
         self.head(out.input_ids, features, positions, self._attention(pairs))
-        self.last_feature[dev.rows] = out.hidden[dev.logits_index]
+        self.last_feature[dev.rows] = target[dev.logits_index]
         emit = dev.emit_index
         if emit.numel():
             # the sampled token t_{end} with f_{end-1}: its outputs wait for the first decode
             sampled = verdict.tokens[emit, :1]  # [E, 1]
-            feature = out.hidden[dev.logits_index[emit]][:, None]  # [E, 1, H]
+            feature = target[dev.logits_index[emit]][:, None]  # [E, 1, H]
             base = dev.base[emit][:, None]  # [E, 1]
             self._defer(dev, emit, sampled, feature, base, dev.tail_slots[emit, :1], None)
 
@@ -108,7 +108,7 @@ class EagleDrafter:
         b, w = plan.batch_size, plan.width
         m = refill_columns(verdict.num_accepted, w)
         tokens = verdict.tokens[:, :m].clamp(min=0)  # [B, m]
-        features = out.hidden.view(b, w, -1)[:, :m]  # [B, m, H] targets' f_base ..
+        features = self.head.target_features(out).view(b, w, -1)[:, :m]  # [B, m, H] f_base ..
         positions = dev.base[:, None] + torch.arange(m, device=tokens.device)  # [B, m]
         slots = dev.tail_slots[:, :m]
         self._defer(dev, None, tokens, features, positions, slots, verdict.num_accepted)
@@ -151,7 +151,7 @@ class EagleTreeDrafter(EagleDrafter):
 
     def __init__(
         self,
-        head: EagleHead,
+        head: EagleHead | Eagle3Head,
         cache: KVCache,
         attention: AttentionBackend,
         max_rows: int,
@@ -187,7 +187,7 @@ class EagleTreeDrafter(EagleDrafter):
         # pairs (emitted token j, target feature at base + j): the root's row, then the path's
         m = refill_columns(accepted, d + 1)
         rows = torch.cat([torch.zeros_like(path[:, :1]), 1 + path[:, : m - 1].clamp(min=0)], 1)
-        hidden = out.hidden.view(b, plan.width, -1)
+        hidden = self.head.target_features(out).view(b, plan.width, -1)
         features = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[2]))  # [B, m, H]
         positions = dev.base[:, None] + torch.arange(m, device=path.device)  # [B, m]
         tokens = verdict.tokens[:, :m].clamp(min=0)

@@ -26,7 +26,7 @@ from stages.plan import drafter_metadata
 
 
 class MTPDrafter:
-    uses_hidden = True
+    target_layers = ()
 
     def __init__(
         self,

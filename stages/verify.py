@@ -20,8 +20,10 @@ class Verifier:
         cache: KVCache,
         attention: AttentionBackend,
         history: TokenHistory,
+        aux_layers: tuple[int, ...] = (),
     ):
         self.model = model
+        self.aux_layers = aux_layers  # the drafter's target_layers
         self.cache = cache
         self.attention = attention
         self.history = history
@@ -42,9 +44,10 @@ class Verifier:
             meta = replace(meta, q_positions=drafts.positions, mask=drafts.mask)
             positions = drafts.positions.flatten()
         attn = self.attention(meta, self.cache, self.model.config.num_heads)
-        hidden, _ = self.model(ids, positions, attn)
+        hidden, aux = self.model(ids, positions, attn, self.aux_layers)
         logits = self.model.logits(hidden[dev.logits_index])
-        return TargetOutput(ids, hidden, logits.view(plan.batch_size, plan.width, -1))
+        side_by_side = torch.cat(aux, dim=-1) if aux else None
+        return TargetOutput(ids, hidden, logits.view(plan.batch_size, plan.width, -1), side_by_side)
 
     @staticmethod
     def _decode_inputs(last_token: torch.Tensor, drafts: Drafts) -> torch.Tensor:

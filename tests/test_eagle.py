@@ -1,5 +1,5 @@
 """EAGLE: the head's checkpoint layouts, its drafts against a dense recompute, and lossless
-greedy speculation with a random head."""
+greedy speculation with a random head (EAGLE-1, our normed variant and EAGLE-3)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from safetensors.torch import save_file
 
 from engine.request import SamplingParams
 from models.attention import CausalAttention
-from models.eagle import EagleHead, load_eagle_head, save_eagle_head
+from models.eagle import EagleHead, load_eagle_head, save_eagle3_head, save_eagle_head
 from models.llama import LlamaConfig, LlamaModel
 from models.loader import CheckpointError, config_to_hf, load_model, read_safetensors
 from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
-from tests.tiny import random_eagle_head
+from tests.tiny import random_eagle3_head, random_eagle_head
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -48,10 +48,13 @@ def target(tiny_target):
     return load_model(tiny_target)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["eagle1", "normed"])
+@pytest.fixture(scope="module", params=["eagle1", "normed", "eagle3"])
 def head_dir(request, target, tmp_path_factory):
     directory = tmp_path_factory.mktemp("eagle")
-    save_eagle_head(random_eagle_head(target, norms=request.param), directory)
+    if request.param == "eagle3":  # the residual entering layer 1, the last layer's output
+        save_eagle3_head(random_eagle3_head(target, (1, 2), draft_vocab=200), directory)
+    else:
+        save_eagle_head(random_eagle_head(target, norms=request.param == "normed"), directory)
     return directory
 
 
@@ -154,11 +157,13 @@ async def test_drafts_equal_a_dense_recompute(tiny_target, head_dir):
             assert chain == reference_chain(head, tokens[: base + 1], len(chain)), (name, base)
 
 
-def reference_chain(head: EagleHead, committed: list[int], k: int) -> list[int]:
+def reference_chain(head, committed: list[int], k: int) -> list[int]:
     n = len(committed) - 1  # the target has run over committed[:n]
-    target = head.target
-    hidden, _ = target(torch.tensor(committed[:n]), torch.arange(n), CausalAttention(1, n))
-    ids, features, chain = committed[1:], hidden, []
+    attn = CausalAttention(1, n)
+    hidden, aux = head.target(
+        torch.tensor(committed[:n]), torch.arange(n), attn, head.target_layers
+    )
+    ids, features, chain = committed[1:], head.fuse(torch.cat(aux, -1)) if aux else hidden, []
     for _ in range(k):
         out = pairs_output(head, ids, features)[-1]
         token = int(head.logits(out[None]).argmax())

@@ -15,7 +15,7 @@ from engine.request import SamplingParams
 from kv.cache import KVCache
 from kv.table import PageTable
 from models.attention import CausalAttention, TorchPagedAttention, paged_metadata
-from models.eagle import save_eagle_head
+from models.eagle import save_eagle3_head, save_eagle_head
 from models.loader import load_model
 from server import config_from_args
 from stages import eagle_drafter
@@ -34,7 +34,7 @@ from tests.stats import (
     chi_square_pvalue,
     exact_joint,
 )
-from tests.tiny import random_eagle_head, write_model
+from tests.tiny import random_eagle3_head, random_eagle_head, write_model
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 DRAWS = {"fixed": N, "dynamic": N}  # requests of the sampling-law tests
@@ -316,6 +316,26 @@ def expected(small, prompts):
             return await staggered(engine, prompts, GREEDY)
 
     return asyncio.run(plain())
+
+
+@pytest.fixture(scope="module")
+def small_eagle3(small, tmp_path_factory):
+    """An EAGLE-3 head for `small`'s target over 6 of its 8 tokens."""
+    head = tmp_path_factory.mktemp("small_eagle3")
+    save_eagle3_head(random_eagle3_head(load_model(small[0]), (1, 2), draft_vocab=6), head)
+    return small[0], head
+
+
+@pytest.mark.parametrize("tree", ["fixed", "dynamic"])
+async def test_greedy_eagle3_trees_equal_plain(small_eagle3, prompts, expected, tree):
+    """Drafts from the reduced vocabulary are accepted (d2t maps them to the right ids)."""
+    async with running(tree_config(*small_eagle3, tree, pages=48, max_batch_tokens=64)) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
+        assert [token_ids(out) for out in outs] == expected
+        assert engine.scheduler.num_preemptions > 0
+        await engine.wait_idle()
+        assert engine.allocator.num_free == engine.allocator.num_pages
+    assert sum(out[-1].usage.accepted_tokens for out in outs) > 0
 
 
 @pytest.mark.parametrize("tree", sorted(TREES))

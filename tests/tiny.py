@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from models.eagle import EagleHead
+from models.eagle import Eagle3Head, EagleHead
 from models.llama import LlamaConfig, LlamaModel
 from models.loader import load_model, save_pretrained
 from models.mtp import MTPHead
@@ -89,6 +89,19 @@ def random_eagle_head(
     """A head of the target's shapes with large random weights (wide top-2 logit gaps)."""
     head = EagleHead(target.config, target, norms=norms, fc_bias=not norms)
     randomize(head, seed, scale)
+    return head.eval().requires_grad_(False)
+
+
+def random_eagle3_head(
+    target: LlamaModel, aux_layers: tuple[int, ...], draft_vocab: int, seed: int = 4
+) -> Eagle3Head:
+    """An EAGLE-3 head with large random weights over a random draft vocabulary."""
+    cfg = dataclasses.replace(target.config, num_layers=1)
+    head = Eagle3Head(cfg, target, aux_layers, draft_vocab)
+    randomize(head, seed, 0.5)
+    vocab = target.config.vocab_size
+    order = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
+    head.set_draft_vocab(order[:draft_vocab])
     return head.eval().requires_grad_(False)
 
 
