@@ -19,7 +19,12 @@ from train.loop import TrainConfig, train
 
 WINDOW = 32
 CFG = head_data.PrecomputeConfig(
-    window=WINDOW, topk=8, train_tokens=8 * WINDOW, heldout_tokens=2 * WINDOW, shard_windows=3
+    window=WINDOW,
+    topk=8,
+    train_tokens=8 * WINDOW,
+    heldout_tokens=2 * WINDOW,
+    shard_windows=3,
+    aux_layers=(0, 1),  # an EAGLE-3 head's: both layers' outputs
 )
 
 
@@ -60,10 +65,14 @@ def test_store_holds_the_targets_outputs(target, store):
     assert data["tokens"].shape == (8, WINDOW)
     assert data["hidden"].shape == (8, WINDOW, target.config.hidden_size)
     assert data["hidden"].dtype == torch.float16 and data["topk_ids"].dtype == torch.int16
+    assert data["aux"].shape == (8, WINDOW, 2 * target.config.hidden_size)
     assert len(list((store / "train").glob("shard-*.safetensors"))) == 3
     ids = data["tokens"][:2].long()
-    hidden, _ = target(ids.flatten(), torch.arange(WINDOW).repeat(2), CausalAttention(2, WINDOW))
+    positions, attn = torch.arange(WINDOW).repeat(2), CausalAttention(2, WINDOW)
+    hidden, aux = target(ids.flatten(), positions, attn, CFG.aux_layers)
     torch.testing.assert_close(data["hidden"][:2].float().flatten(0, 1), hidden, atol=2e-3, rtol=0)
+    stored = data["aux"][:2].float().flatten(0, 1)
+    torch.testing.assert_close(stored, torch.cat(aux, -1), atol=2e-2, rtol=1e-3)
     argmax = target.logits(hidden).argmax(-1)
     assert torch.equal(data["topk_ids"][:2, :, 0].long().flatten(), argmax)
 
@@ -86,7 +95,9 @@ def train_head(kind, target, store, run_dir, steps=25):
     before and after."""
     data = head_train.HeadData(head_data.load_split(store, "train"))
     torch.manual_seed(0)
-    head = head_train.build_head(kind, target)
+    tokens = data.tokens.numpy()
+    draft_ids = head_train.draft_vocabulary(tokens, 200) if kind == "eagle3" else None
+    head = head_train.build_head(kind, target, draft_ids, CFG.aux_layers)
     loss = head_train.HeadLoss.default(kind)
     before = head_train.heldout_metrics(head, data, loss)
     cfg = TrainConfig(minutes=10, lr=3e-3, warmup_steps=1, batch=4, seq=WINDOW - 1, max_steps=steps)
@@ -100,8 +111,41 @@ def train_head(kind, target, store, run_dir, steps=25):
 def test_a_few_steps_lower_the_loss(kind, target, store, tmp_path):
     head, before, after = train_head(kind, target, store, tmp_path)
     assert after["loss"] < 0.8 * before["loss"]
-    assert after["ce"] < before["ce"]
+    ce = "ce0" if kind == "eagle3" else "ce"  # EAGLE-3: each unrolled step's, the first here
+    assert after[ce] < before[ce]
     assert not any(p.requires_grad for p in target.parameters())
+
+
+@torch.no_grad()
+def test_training_time_test_equals_drafting_a_chain(target, store):
+    """Step j of EAGLE-3's unrolled training at column i is the head run densely over the
+    committed pairs 0 .. i, then over its own outputs paired with the next true tokens: what
+    the drafter computes when every earlier draft was right."""
+    from tests.tiny import random_eagle3_head
+
+    data = head_train.HeadData(head_data.load_split(store, "train"))
+    head = random_eagle3_head(target, (1, 2), draft_vocab=200)
+    batch = data.batch(torch.tensor([0]))
+    steps, outputs = 3, []
+    original = head.forward
+
+    def recording(*args):
+        out = original(*args)
+        outputs.append(out)
+        return out
+
+    head.forward = recording
+    head_train.eagle3_terms(head, batch, steps)
+    head.forward = original
+    tokens, fused = batch["tokens"][0], head.fuse(batch["aux"][0])  # [S], [S, H]
+    for i in (0, 5, WINDOW - 2 - steps):
+        ids, features = tokens[1 : i + 2], fused[: i + 1]
+        for j in range(steps):
+            n = len(ids)
+            dense = head(ids, features, torch.arange(n), CausalAttention(1, n))[-1]
+            torch.testing.assert_close(outputs[j][i], dense, atol=1e-4, rtol=1e-4)
+            ids = torch.cat([ids, tokens[i + 2 + j : i + 3 + j]])
+            features = torch.cat([features, dense[None]])
 
 
 def test_only_the_heads_weights_are_trained_and_exported(target, store, tmp_path):

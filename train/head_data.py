@@ -8,6 +8,8 @@ holds, for its windows of `window` tokens t_0 .. t_{S-1}:
     hidden       [n, S, H] float16 f_i, the target's hidden state after its final norm
     topk_logits  [n, S, K] float16 the target's K largest logits at i (the law of t_{i+1})
     topk_ids     [n, S, K] int16   their token ids (int32 for vocabularies past 32767)
+    aux          [n, S, nH] float16 with `aux_layers`: the outputs of those target layers side
+                           by side (what an EAGLE-3 head fuses)
 
 Shard j holds windows j, j + G, j + 2G, ... of the G shards, so any set of finished shards
 covers the whole corpus evenly. A shard is written to a temporary name and renamed, so an
@@ -44,6 +46,7 @@ class PrecomputeConfig:
     heldout_tokens: int = 16_384
     shard_windows: int = 32  # windows per shard: the unit of resumption
     batch: int = 4  # windows per target forward
+    aux_layers: tuple[int, ...] = ()  # target layers whose outputs are stored too (EAGLE-3's)
 
     def __post_init__(self) -> None:
         if min(self.window, self.topk, self.shard_windows, self.batch) < 1:
@@ -70,13 +73,18 @@ def target_outputs(
     model: LlamaModel,
     ids: torch.Tensor,  # [b, S] int64
     topk: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hidden [b, S, H], top-k logits [b, S, K] and their ids [b, S, K] of the target."""
+    aux_layers: tuple[int, ...] = (),
+) -> dict[str, torch.Tensor]:
+    """hidden [b, S, H], top-k logits [b, S, K] and their ids [b, S, K] of the target, and
+    with `aux_layers` those layers' outputs side by side [b, S, nH]."""
     b, s = ids.shape
     positions = torch.arange(s, device=ids.device).repeat(b)
-    hidden, _ = model(ids.reshape(-1), positions, CausalAttention(b, s))  # [b * S, H]
+    hidden, aux = model(ids.reshape(-1), positions, CausalAttention(b, s), aux_layers)
     values, index = model.logits(hidden).topk(topk, dim=-1)  # [b * S, K]
-    return hidden.view(b, s, -1), values.view(b, s, -1), index.view(b, s, -1)
+    out = {"hidden": hidden, "topk_logits": values, "topk_ids": index}
+    if aux:
+        out["aux"] = torch.cat(aux, dim=-1)
+    return {name: t.view(b, s, -1) for name, t in out.items()}
 
 
 def make_shard(
@@ -86,20 +94,24 @@ def make_shard(
     rows = [np.asarray(tokens[s : s + cfg.window], dtype=np.int64) for s in starts]
     ids = torch.from_numpy(np.stack(rows))  # [n, S]
     id_dtype = torch.int16 if model.config.vocab_size <= 2**15 else torch.int32
-    parts: dict[str, list[torch.Tensor]] = {"hidden": [], "topk_logits": [], "topk_ids": []}
+    parts: dict[str, list[torch.Tensor]] = {}
     for chunk in ids.split(cfg.batch):
-        hidden, values, index = target_outputs(model, chunk, cfg.topk)
-        if not torch.isfinite(hidden.half()).all():
-            raise ValueError("target features overflow float16")
-        parts["hidden"].append(hidden.half())
-        parts["topk_logits"].append(values.half())
-        parts["topk_ids"].append(index.to(id_dtype))
+        out = target_outputs(model, chunk, cfg.topk, cfg.aux_layers)
+        for name, t in out.items():
+            t = t.to(id_dtype) if name == "topk_ids" else t.half()
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise ValueError(f"target {name} overflow float16")
+            parts.setdefault(name, []).append(t)
     shard = {name: torch.cat(chunks).contiguous() for name, chunks in parts.items()}
     return shard | {"tokens": ids.int()}
 
 
 def shard_path(data_dir: Path, split: str, index: int) -> Path:
     return data_dir / split / f"shard-{index:05d}.safetensors"
+
+
+def read_meta(data_dir: Path) -> dict:
+    return json.loads((data_dir / META).read_text())
 
 
 def check_meta(data_dir: Path, meta: dict) -> None:
@@ -121,7 +133,7 @@ def precompute(
     model: LlamaModel, splits: dict[str, np.ndarray], data_dir: Path, cfg: PrecomputeConfig
 ) -> None:
     """Write the shards of each split (token arrays by split name), skipping finished ones."""
-    meta = asdict(cfg) | {"hidden_size": model.config.hidden_size}
+    meta = json.loads(json.dumps(asdict(cfg) | {"hidden_size": model.config.hidden_size}))
     check_meta(data_dir, meta)
     for split, tokens in splits.items():
         starts = window_starts(len(tokens), cfg.windows(split), cfg.window)

@@ -12,6 +12,13 @@ differs (EAGLE puts the pair at i, as its drafter does; MTP at i+1, the token's 
 - MTP: the cross-entropy, plus `feature_weight` x smooth-L1 between the block output (what the
   head feeds back for its next chained token) and f_{i+1}.
 
+- EAGLE-3: training-time test. The head runs `ttt_steps` times over each window: step 0 over
+  the fused target layers (f_i = fc(aux_i)), each later step over its own previous outputs,
+  one token further on, its queries seeing step 0's keys causally and the keys the later steps
+  wrote at their own column (as a drafted chain sees the committed pairs and its own drafts).
+  Each step's loss is the cross-entropy against the target's distribution at that position
+  restricted to the draft vocabulary; no feature term.
+
 The target's distribution is its top-K logits renormalised (what the store keeps).
 """
 
@@ -27,14 +34,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.attention import CausalAttention
-from models.eagle import EagleHead
+from models.eagle import Eagle3Head, EagleHead
 from models.llama import LlamaModel
 from models.mtp import MTPHead
 
 log = logging.getLogger("train")
 
-KINDS = ("eagle", "eagle-original", "mtp")
-Head = EagleHead | MTPHead
+KINDS = ("eagle", "eagle-original", "eagle3", "mtp")
+Head = EagleHead | Eagle3Head | MTPHead
+TTT_STEPS = 4  # EAGLE-3's unrolled steps: the draft length it learns to serve
+TTT_DECAY = 0.8  # weight of step j's loss: decay ** j (deeper drafts matter less)
 
 
 @dataclass(frozen=True)
@@ -56,12 +65,39 @@ class HeadLoss:
         fed-back block output stays near the target's features (multi-token drafting)."""
         if kind == "mtp":
             return cls(kind, feature_weight=0.1, ce_weight=1.0, noise=0.0)
+        if kind == "eagle3":
+            return cls(kind, feature_weight=0.0, ce_weight=1.0, noise=0.0)
         return cls(kind, feature_weight=1.0, ce_weight=0.1, noise=0.2)
 
 
-def build_head(kind: str, target: LlamaModel) -> Head:
-    """A freshly initialised head with the target's layer shape (one layer)."""
+def draft_vocabulary(tokens: np.ndarray, size: int) -> torch.Tensor:
+    """[size] the most frequent target ids of the training tokens (EAGLE-3's draft vocabulary;
+    ties by id)."""
+    counts = np.bincount(np.asarray(tokens, dtype=np.int64).ravel(), minlength=size)
+    order = np.lexsort((np.arange(len(counts)), -counts))  # by count, then id
+    return torch.from_numpy(np.sort(order[:size]))
+
+
+def build_head(
+    kind: str,
+    target: LlamaModel,
+    draft_ids: torch.Tensor | None = None,
+    target_layers: tuple[int, ...] = (),
+) -> Head:
+    """A freshly initialised head with the target's layer shape (one layer). An EAGLE-3 head
+    reads the outputs of `target_layers` (the store's), its draft vocabulary is `draft_ids`,
+    and its lm_head and norm start as the target's."""
     cfg = dataclasses.replace(target.config, num_layers=1)
+    if kind == "eagle3":
+        assert draft_ids is not None and target_layers
+        aux = tuple(i + 1 for i in target_layers)  # the residual entering the next layer
+        head = Eagle3Head(cfg, target, aux, len(draft_ids))
+        head.set_draft_vocab(draft_ids)
+        assert head.lm_head is not None
+        with torch.no_grad():
+            head.lm_head.weight.copy_(target.lm_head.weight[head.draft_ids])
+            head.norm.weight.copy_(target.norm.weight)
+        return head
     if kind == "mtp":
         return MTPHead(cfg, target)
     if kind == "eagle":
@@ -74,6 +110,8 @@ def build_head(kind: str, target: LlamaModel) -> Head:
 def head_kind(head: Head) -> str:
     if isinstance(head, MTPHead):
         return "mtp"
+    if isinstance(head, Eagle3Head):
+        return "eagle3"
     return "eagle" if head.norms else "eagle-original"
 
 
@@ -85,6 +123,7 @@ class HeadData:
         self.hidden = tensors["hidden"]  # [N, S, H] float16
         self.topk_logits = tensors["topk_logits"]  # [N, S, K] float16
         self.topk_ids = tensors["topk_ids"]  # [N, S, K] int16 / int32
+        self.aux = tensors.get("aux")  # [N, S, nH] float16, stored for EAGLE-3
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -95,12 +134,15 @@ class HeadData:
 
     def batch(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
         """The windows `index` [b] with float32 features and int64 ids."""
-        return {
+        batch = {
             "tokens": self.tokens[index].long(),
             "hidden": self.hidden[index].float(),
             "topk_logits": self.topk_logits[index].float(),
             "topk_ids": self.topk_ids[index].long(),
         }
+        if self.aux is not None:
+            batch["aux"] = self.aux[index].float()
+        return batch
 
 
 class IndexSampler:
@@ -148,11 +190,96 @@ def head_forward(
     return out, head.logits(out)
 
 
+class UnrolledAttention:
+    """Training-time test's attention for a one-layer head over [batch, seq] columns: the
+    first call (step 0) is causal; step j's query at column i sees step 0's keys 0 .. i and the
+    keys steps 1 .. j wrote at column i."""
+
+    def __init__(self, batch: int, seq: int):
+        self.batch, self.seq = batch, seq
+        self.keys: list[torch.Tensor] = []  # per step [b, Hq, S, D]
+        self.values: list[torch.Tensor] = []
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        b, s = self.batch, self.seq
+        hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+        qb = q.view(b, s, hq, d).transpose(1, 2)
+        self.keys.append(k.view(b, s, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1))
+        self.values.append(v.view(b, s, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1))
+        if len(self.keys) == 1:
+            out = F.scaled_dot_product_attention(qb, self.keys[0], self.values[0], is_causal=True)
+            return out.transpose(1, 2).reshape(b * s, hq, d)
+        scale = d**-0.5
+        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        first = (qb @ self.keys[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))
+        own = torch.stack([(qb * key).sum(-1) for key in self.keys[1:]], -1) * scale  # [b,h,S,j]
+        p = torch.softmax(torch.cat((first, own), -1), -1)
+        later = torch.stack(self.values[1:], -2)  # [b, h, S, j, D]
+        out = p[..., :s] @ self.values[0] + (p[..., s:, None] * later).sum(-2)
+        return out.transpose(1, 2).reshape(b * s, hq, d)
+
+
+def restricted_cross_entropy(
+    logits: torch.Tensor,  # [R, Vd] the head's, over the draft vocabulary
+    topk_logits: torch.Tensor,  # [R, K] the target's largest logits
+    draft_index: torch.Tensor,  # [R, K] their draft ids, -1 outside the draft vocabulary
+    valid: torch.Tensor,  # [R] bool rows that count
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean of -sum_j p_j log q_j over valid rows, with p the target's top-K restricted to the
+    draft vocabulary and renormalised (rows with none of it inside do not count); and the
+    share of rows whose argmax is the target's top-1 (no gradient)."""
+    inside = draft_index >= 0
+    valid = valid & inside.any(-1)
+    p = torch.softmax(topk_logits.masked_fill(~inside, float("-inf")), -1).nan_to_num(0.0)
+    log_q = torch.log_softmax(logits.float(), -1).gather(1, draft_index.clamp(min=0))
+    ce = -(p * log_q).sum(-1)
+    top1 = (logits.argmax(-1) == draft_index[:, 0]) & valid
+    count = valid.sum().clamp(min=1)
+    return (ce * valid).sum() / count, (top1.sum() / count).detach()
+
+
+def eagle3_terms(
+    head: Eagle3Head, batch: dict[str, torch.Tensor], steps: int = TTT_STEPS
+) -> dict[str, torch.Tensor]:
+    """EAGLE-3's training-time test over the windows (module docstring): "loss" (the steps'
+    cross-entropies weighted by TTT_DECAY ** j), and per step "ce{j}" and "top1_{j}"."""
+    tokens, aux = batch["tokens"], batch["aux"]
+    b, s = tokens.shape
+    n = s - 1  # columns: pair i = (t_{i+1}, f_i)
+    index = torch.full((head.t2d.numel(),), -1, dtype=torch.long, device=tokens.device)
+    index[head.draft_ids] = torch.arange(head.draft_ids.numel(), device=tokens.device)
+    features = head.fuse(aux[:, :-1])  # [b, n, H]
+    attn = UnrolledAttention(b, n)
+    columns = torch.arange(n, device=tokens.device)
+    terms: dict[str, torch.Tensor] = {"loss": features.new_zeros(())}
+    for j in range(steps):
+        # step j at column i: pair (t_{i+1+j}, its feature) at position i + j, predicting the
+        # target's law at i + 1 + j; columns past the window's end run on padding, unscored
+        shift = torch.clamp(columns + 1 + j, max=s - 1)  # [n]
+        ids = tokens[:, shift]  # [b, n]
+        positions = (columns + j).repeat(b)
+        out = head(ids.flatten(), features.reshape(b * n, -1), positions, attn)
+        logits = head.draft_logits(out)  # [b * n, Vd]
+        k = batch["topk_ids"].shape[-1]
+        law = batch["topk_logits"][:, shift].reshape(-1, k)
+        draft_index = index[batch["topk_ids"][:, shift].reshape(-1, k)]
+        valid = (columns + 1 + j <= s - 1).repeat(b)
+        ce, top1 = restricted_cross_entropy(logits, law, draft_index, valid)
+        terms["loss"] = terms["loss"] + TTT_DECAY**j * ce
+        terms[f"ce{j}"], terms[f"top1_{j}"] = ce, top1
+        features = out.view(b, n, -1)
+    return terms
+
+
 def loss_terms(
     head: Head, batch: dict[str, torch.Tensor], loss: HeadLoss, noise: float
 ) -> dict[str, torch.Tensor]:
     """Scalar terms: "feature" (smooth-L1), "ce", their weighted "loss", and "top1" (the
-    head's argmax equals the target's, no gradient)."""
+    head's argmax equals the target's, no gradient); EAGLE-3's are `eagle3_terms`."""
+    if isinstance(head, Eagle3Head):
+        return eagle3_terms(head, batch)
     out, logits = head_forward(head, batch, noise)
     h = out.shape[-1]
     next_features = batch["hidden"][:, 1:].reshape(-1, h)  # [R, H] f_{i+1}

@@ -1,7 +1,8 @@
 """Validate a trained head through the engine's own inference path.
 
 The head directory is loaded by the engine (`AsyncEngine` with an EAGLE or MTP `SpecConfig`),
-which decodes the held-out prompts greedily. What it reports comes from the engine's counters:
+which decodes the held-out prompts greedily (the demo's held-out code prompts, or with `--chat`
+the held-out chat prompts, train/chat_heldout_prompts.json, as one-turn chats). What it reports comes from the engine's counters:
 
 - acceptance length: tokens emitted per verify step, (steps + accepted) / steps, from the
   requests' usage (steps that could draft nothing, at a request's last token, count too);
@@ -24,13 +25,15 @@ from pathlib import Path
 
 import torch
 
+from engine.builder import model_path
 from engine.config import EngineConfig, SpecConfig
 from engine.engine import AsyncEngine
 from engine.request import SamplingParams, Usage
 from models.eagle import load_eagle_head
 from models.loader import load_model
 from models.mtp import load_mtp_head
-from train import corpus, head_data, head_train
+from models.tokenizer import Tokenizer
+from train import chat_data, corpus, head_data, head_train
 
 COUNTERS = {
     "drafts": "tandem_spec_decode_num_drafts_total",
@@ -46,12 +49,12 @@ def method_of(kind: str) -> str:
     return "mtp" if kind == "mtp" else "eagle"
 
 
-def engine_config(target: Path, kind: str, head: Path, k: int, max_running: int) -> EngineConfig:
+def engine_config(target: str, kind: str, head: Path, k: int, max_running: int) -> EngineConfig:
     """A fixed k (no adaptive draft length), so that every draft position is measured."""
     spec = SpecConfig(
         method=method_of(kind), draft=str(head), num_speculative_tokens=k, adaptive_k=False
     )
-    return EngineConfig(model=str(target), spec=spec, max_running=max_running)
+    return EngineConfig(model=target, spec=spec, max_running=max_running)
 
 
 def read_counters(text: str) -> dict:
@@ -114,9 +117,9 @@ def per_position(counters: dict) -> dict:
     }
 
 
-def heldout_loss(target_dir: Path, kind: str, head_dir: Path, data_dir: Path) -> dict:
+def heldout_loss(target_name: str, kind: str, head_dir: Path, data_dir: Path) -> dict:
     """Loss terms of the exported head (as the engine loads it) on the held-out store."""
-    target = load_model(target_dir, dtype=torch.float32, device="cpu")
+    target = load_model(model_path(target_name), dtype=torch.float32, device="cpu")
     loader = load_mtp_head if kind == "mtp" else load_eagle_head
     head = loader(head_dir, target)
     if head_train.head_kind(head) != kind:
@@ -126,7 +129,11 @@ def heldout_loss(target_dir: Path, kind: str, head_dir: Path, data_dir: Path) ->
 
 
 def run(args: argparse.Namespace) -> dict:
-    prompts = corpus.load_prompts()
+    prompts: list[str] | list[list[int]] = corpus.load_prompts()
+    if args.chat:
+        tokenizer = Tokenizer(model_path(args.target))
+        chats = chat_data.load_prompts(chat_data.HELDOUT_PROMPTS)
+        prompts = [chat_data.chat_ids(tokenizer, p) for p in chats]
     prompts = prompts[: args.prompts] if args.prompts else prompts
     config = engine_config(args.target, args.kind, args.head, args.k, len(prompts))
     result = {
@@ -154,7 +161,8 @@ def table(heads_dir: Path) -> str:
         h = v["heldout"]
         depth = " / ".join(f"{a:.3f}" for a in v["top1_given_previous"])
         rows.append(
-            f"| {v['kind']} | {steps} | {h['loss']:.4f} | {h['feature']:.4f} | {h['ce']:.4f} "
-            f"| {h['top1']:.3f} | {depth} | {v['acceptance_length']:.3f} (k={v['k']}) |"
+            f"| {v['kind']} | {steps} | {h['loss']:.4f} | {h.get('feature', 0):.4f} "
+            f"| {h.get('ce', h.get('ce0', 0)):.4f} "
+            f"| {h.get('top1', h.get('top1_0', 0)):.3f} | {depth} | {v['acceptance_length']:.3f} (k={v['k']}) |"
         )
     return "\n".join(rows)

@@ -3,12 +3,17 @@ validate,table}`.
 
     python -m train.heads precompute --run-dir RUN              # target outputs -> RUN/heads-data
     python -m train.heads train --run-dir RUN --kind eagle --minutes 8
+    python -m train.heads precompute --run-dir RUN --target smollm2 --eagle3   # a chat target
+    python -m train.heads train --run-dir RUN --target smollm2 --kind eagle3 --minutes 40
     python -m train.heads validate --run-dir RUN --kind eagle --head RUN/heads/eagle/head
     python -m train.heads table --run-dir RUN                   # the ablation table
 
-RUN is a `train.lm` run directory: it holds `train_tokens.npy` and `heldout_tokens.npy`
+RUN holds `train_tokens.npy` and `heldout_tokens.npy`: for the demo a `train.lm` run directory
 (`python -m train.lm tokenizer --run-dir RUN` makes the tokenizer, and the first `target` or
-`draft` run tokenises the corpus). Each kind trains in RUN/heads/KIND (checkpoints, logs,
+`draft` run tokenises the corpus); for a chat target `train.chat_data` writes them. `--target`
+is a directory, a GGUF file or a name server.py knows (smollm2). `--eagle3` also stores the
+target layers an EAGLE-3 head reads; its draft vocabulary is the training tokens' most frequent
+`--draft-vocab`. Each kind trains in RUN/heads/KIND (checkpoints, logs,
 the exported head in `head/`, validation JSON); `--resume` continues a run, and precompute
 skips finished shards.
 """
@@ -24,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.eagle import save_eagle_head
+from engine.builder import model_path
+from models.eagle import Eagle3Head, default_aux_layers, save_eagle3_head, save_eagle_head
 from models.loader import load_model
 from models.mtp import MTPHead, save_mtp_head
 from train import head_data, head_train
@@ -38,19 +44,23 @@ HEADS_DIR = "heads"
 DEMO_TARGET = Path("models/demo/target")
 
 
-def load_target(directory: Path) -> torch.nn.Module:
-    target = load_model(directory, dtype=torch.float32, device="cpu")
+def load_target(name: str) -> torch.nn.Module:
+    target = load_model(model_path(name), dtype=torch.float32, device="cpu")
     head_train.freeze_shared(target)
     return target
 
 
 def cmd_precompute(args: argparse.Namespace) -> None:
+    target = load_target(args.target)
+    layers = target.config.num_layers
+    aux = tuple(i - 1 for i in default_aux_layers(layers)) if args.eagle3 else ()
     cfg = head_data.PrecomputeConfig(
         window=args.window,
         topk=args.topk,
         train_tokens=args.tokens,
         heldout_tokens=args.heldout_tokens,
         batch=args.batch,
+        aux_layers=aux,
     )
     splits = {}
     # the small held-out split first: training can start from a partial train split
@@ -59,13 +69,14 @@ def cmd_precompute(args: argparse.Namespace) -> None:
         if not path.exists():
             raise FileNotFoundError(f"{path} is missing: tokenise the corpus with train.lm first")
         splits[split] = np.load(path, mmap_mode="r")
-    target = load_target(args.target)
     head_data.precompute(target, splits, args.run_dir / head_data.DATA_DIR, cfg)
 
 
 def export_head(head: head_train.Head, out: Path, dtype: torch.dtype) -> None:
     if isinstance(head, MTPHead):
         save_mtp_head(head, out, dtype)
+    elif isinstance(head, Eagle3Head):
+        save_eagle3_head(head, out, dtype)
     else:
         save_eagle_head(head, out, dtype)
     log.info("exported %s", out)
@@ -92,7 +103,18 @@ def cmd_train(args: argparse.Namespace) -> None:
         loss = HeadLoss(args.kind, args.feature_weight, loss.ce_weight, loss.noise)
     target = load_target(args.target)
     torch.manual_seed(cfg.seed)
-    head = head_train.build_head(args.kind, target)
+    draft_ids = None
+    if args.kind == "eagle3":
+        tokens = np.load(args.run_dir / TRAIN_TOKENS, mmap_mode="r")
+        draft_ids = head_train.draft_vocabulary(tokens, args.draft_vocab)
+        share = np.isin(tokens, draft_ids.numpy()).mean()
+        log.info(
+            "draft vocabulary: %d ids, %.1f%% of the training tokens", len(draft_ids), 100 * share
+        )
+        if data.aux is None:
+            raise SystemExit("the precomputed data has no target layers: precompute with --eagle3")
+    layers = tuple(head_data.read_meta(data_dir)["aux_layers"])
+    head = head_train.build_head(args.kind, target, draft_ids, layers)
     log.info(
         "%s head: %.2fM trainable parameters; %d windows of %d tokens (%.2fM tokens); %s",
         *(args.kind, head_train.trainable(head) / 1e6, len(data), data.window),
@@ -143,6 +165,7 @@ def parser() -> argparse.ArgumentParser:
     pre.add_argument("--window", type=int, default=512)
     pre.add_argument("--topk", type=int, default=16)
     pre.add_argument("--batch", type=int, default=4, help="windows per target forward")
+    pre.add_argument("--eagle3", action="store_true", help="store EAGLE-3's target layers too")
     tr = sub.add_parser("train", help="train one head on the stored data")
     tr.add_argument("--minutes", type=float, default=8.0, help="wall-clock budget")
     tr.add_argument("--lr", type=float, default=1e-3)
@@ -156,19 +179,21 @@ def parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--resume", action="store_true", help="continue from the checkpoint")
     tr.add_argument("--dtype", default="bfloat16", help="dtype of the exported weights")
+    tr.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3's draft vocabulary")
     tr.add_argument("--out", type=Path, help="export directory (default RUN/heads/KIND/head)")
     va = sub.add_parser("validate", help="acceptance and accuracy through the engine")
     va.add_argument("--head", type=Path, required=True, help="head directory")
     va.add_argument("--k", type=int, default=4, help="draft tokens per step")
     va.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per prompt")
     va.add_argument("--prompts", type=int, default=0, help="first N held-out prompts (0: all)")
+    va.add_argument("--chat", action="store_true", help="the held-out chat prompts")
     va.add_argument("--json", type=Path, help="output (default RUN/heads/KIND/validate.json)")
     sub.add_parser("table", help="the ablation table from the validation results")
     for name in ("train", "validate"):
         sub.choices[name].add_argument("--kind", choices=KINDS, required=True)
     for s in sub.choices.values():
         s.add_argument("--run-dir", type=Path, required=True)
-        s.add_argument("--target", type=Path, default=DEMO_TARGET)
+        s.add_argument("--target", default=str(DEMO_TARGET))
     return p
 
 
