@@ -1,8 +1,9 @@
 """Validate a trained head through the engine's own inference path.
 
 The head directory is loaded by the engine (`AsyncEngine` with an EAGLE or MTP `SpecConfig`),
-which decodes the held-out prompts greedily (the demo's held-out code prompts, or with `--chat`
-the held-out chat prompts, train/chat_heldout_prompts.json, as one-turn chats). What it reports comes from the engine's counters:
+which decodes the held-out prompts greedily: the demo's held-out code prompts, or with `--chat`
+the held-out chat prompts (train/chat_heldout_prompts.json) as one-turn chats. What it reports
+comes from the engine's counters:
 
 - acceptance length: tokens emitted per verify step, (steps + accepted) / steps, from the
   requests' usage (steps that could draft nothing, at a request's last token, count too);
@@ -163,6 +164,7 @@ def table(heads_dir: Path) -> str:
         rows.append(
             f"| {v['kind']} | {steps} | {h['loss']:.4f} | {h.get('feature', 0):.4f} "
             f"| {h.get('ce', h.get('ce0', 0)):.4f} "
-            f"| {h.get('top1', h.get('top1_0', 0)):.3f} | {depth} | {v['acceptance_length']:.3f} (k={v['k']}) |"
+            f"| {h.get('top1', h.get('top1_0', 0)):.3f} | {depth} "
+            f"| {v['acceptance_length']:.3f} (k={v['k']}) |"
         )
     return "\n".join(rows)
