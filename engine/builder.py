@@ -7,6 +7,10 @@ a forward.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +44,21 @@ from stages.verify import Verifier
 DEMO_DIR = Path(__file__).resolve().parent.parent / "models" / "demo"
 SMOLLM2 = "smollm2"  # EngineConfig.model naming SmolLM2-135M-Instruct's registry package
 MODEL_NAMES = {None: "tandem-demo", SMOLLM2: "SmolLM2-135M-Instruct"}
+
+
+def cache_dir() -> Path:
+    """What the engine keeps between starts: $TANDEM_CACHE, else ~/.cache/tandem."""
+    root = os.environ.get("TANDEM_CACHE") or Path.home() / ".cache" / "tandem"
+    return Path(root)
+
+
+def _file_stamp(path: Path) -> tuple[int, int]:
+    """(size, mtime in ns) of a file, or of a directory's newest file."""
+    if path.is_dir():
+        stats = [f.stat() for f in path.iterdir() if f.is_file()]
+        return sum(s.st_size for s in stats), max((s.st_mtime_ns for s in stats), default=0)
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
 
 
 def model_path(model: str | None) -> Path:
@@ -132,7 +151,8 @@ class Builder:
         )
         cost = None
         if spec.enabled and spec.picks_k:
-            cost = build_cost_model(model, drafter, config.max_running, k, spec.calibration)
+            path = spec.calibration or str(self._calibration_cache(model_dir))
+            cost = build_cost_model(model, drafter, config.max_running, k, path)
         return Built(
             model=model,
             tokenizer=Tokenizer(model_dir),
@@ -164,6 +184,21 @@ class Builder:
             self.dtype,
             self.device,
         )
+
+    def _calibration_cache(self, model_dir: Path) -> Path:
+        """Where the cost model's curves are kept between starts when no --calibration is
+        given: a file in CACHE_DIR named by what the curves depend on (the target and drafter
+        files, the shapes, the device and its threads), so a second start skips measuring."""
+        config, spec = self.config, self.config.spec
+        files = [model_dir] + ([Path(spec.draft)] if spec.draft else [])
+        key = {
+            "files": [(str(f.resolve()), *_file_stamp(f)) for f in files],
+            "spec": [spec.method, spec.num_speculative_tokens, spec.tree, spec.tree_nodes],
+            "engine": [config.max_running, config.dtype, config.quantization, config.device],
+            "machine": [torch.get_num_threads(), os.cpu_count(), platform.machine()],
+        }
+        digest = hashlib.blake2b(json.dumps(key).encode(), digest_size=8).hexdigest()
+        return cache_dir() / f"calibration-{digest}.json"
 
     def _pages_for(self, model: LlamaModel, memory_bytes: int) -> int:
         cfg = model.config

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -83,7 +84,12 @@ class Calibration:
     draft: Curve  # one drafter forward over n tokens (zero for a drafter without a model)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=1))
+        """Written whole or not at all (a temporary file renamed), its directory made."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        tmp.replace(path)
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
@@ -144,7 +150,10 @@ def build_cost_model(
     its curves loaded from the calibration file `path` or measured now (a few seconds) and
     saved there."""
     if path and Path(path).exists():
-        return CostModel(Calibration.load(path), k_max)
+        try:
+            return CostModel(Calibration.load(path), k_max)
+        except (ValueError, KeyError, TypeError):  # unreadable: measure again, overwrite it
+            pass
     device = target.embed_tokens.weight.device
 
     def verify(num_tokens: int) -> None:

@@ -1,5 +1,11 @@
+import os
+import tempfile
+
 import pytest
 import torch
+
+# what engines keep between starts (cost-model curves) stays inside the test run
+os.environ["TANDEM_CACHE"] = tempfile.mkdtemp(prefix="tandem-cache-")
 
 
 def pytest_collection_modifyitems(config, items):

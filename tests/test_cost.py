@@ -140,6 +140,25 @@ def test_engine_calibrates_saves_and_reloads(tiny_target, tiny_draft, tmp_path):
     assert saved["verify"]["tokens"][-1] == 64 * 5  # max_running rows of k + 1 tokens
 
 
+def test_without_a_path_the_curves_are_cached_for_the_next_start(
+    tiny_target, tiny_draft, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path))
+    config = make_config(tiny_target, "draft", tiny_draft, k=4, spec_kw={"adaptive_k": True})
+
+    async def start() -> Calibration:
+        async with running(config) as engine:
+            return engine.cost.calibration
+
+    first = asyncio.run(start())
+    files = list(tmp_path.glob("calibration-*.json"))
+    assert len(files) == 1
+    assert asyncio.run(start()) == first  # loaded, not measured again
+    files[0].write_text("{not json")  # a damaged cache is measured again and rewritten
+    remeasured = asyncio.run(start())
+    assert Calibration.load(files[0]) == remeasured
+
+
 def test_engine_drafts_less_when_drafts_are_rejected(tiny_target, tiny_draft, monkeypatch):
     """The tiny draft is unrelated to the tiny target (acceptance near 1 / vocab). With fixed
     curves (verify(n) = 10 + 3n ms, a draft token 2 ms) the prior's acceptance makes k = 1 the
