@@ -47,10 +47,11 @@ from bench.runners import (
     eos_id,
     hf_models,
 )
-from engine.builder import DEMO_DIR
+from engine.builder import DEMO_DIR, model_path
 from engine.config import EngineConfig, KVConfig, SpecConfig
 from engine.device import run_on_device
 from models.tokenizer import Tokenizer
+from train import chat_data
 
 MIN_REPEATS = 5
 
@@ -93,7 +94,7 @@ def methods_from(args: argparse.Namespace) -> list[Method]:
 
 
 def target_dir(args: argparse.Namespace) -> Path:
-    return Path(args.model) if args.model else DEMO_DIR / "target"
+    return model_path(args.model) if args.model else DEMO_DIR / "target"
 
 
 def build_runners(
@@ -201,7 +202,8 @@ def parse_args(
         default="fixed",
         help="fixed: k pinned; engine: the engine's own choice of k; both",
     )
-    p.add_argument("--model", help="target directory (default: the demo's)")
+    p.add_argument("--model", help="target: smollm2, a directory or a GGUF (default: the demo's)")
+    p.add_argument("--chat", action="store_true", help="the held-out chat prompts, as chats")
     p.add_argument("--draft-model", help="draft model directory (default: the demo's)")
     p.add_argument("--eagle-head", help="EAGLE head directory (default: the demo's)")
     p.add_argument("--mtp-head", help="MTP head directory (default: the demo's)")
@@ -224,7 +226,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     tokenizer = Tokenizer(target_dir(args))
-    prompts = [tokenizer.encode(text) for text in heldout_prompts(64)]
+    if args.chat:
+        chats = chat_data.load_prompts(chat_data.HELDOUT_PROMPTS)
+        prompts = [chat_data.chat_ids(tokenizer, text) for text in chats]
+    else:
+        prompts = [tokenizer.encode(text) for text in heldout_prompts(64)]
     runners = build_runners(methods_from(args), args, max(map(len, prompts)) + args.max_tokens)
     samples = asyncio.run(measure(runners, prompts, args))
     rows = build_rows(samples)

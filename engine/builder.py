@@ -44,6 +44,12 @@ from stages.verify import Verifier
 DEMO_DIR = Path(__file__).resolve().parent.parent / "models" / "demo"
 SMOLLM2 = "smollm2"  # EngineConfig.model naming SmolLM2-135M-Instruct's registry package
 MODEL_NAMES = {None: "tandem-demo", SMOLLM2: "SmolLM2-135M-Instruct"}
+# the heads that ship for a named target, by method: the demo's, and those train.heads
+# trained for SmolLM2
+SHIPPED_HEADS = {
+    None: {"eagle": DEMO_DIR / "eagle", "mtp": DEMO_DIR / "mtp"},
+    SMOLLM2: {"eagle": DEMO_DIR.parent / "smollm2" / "eagle3"},
+}
 
 
 def cache_dir() -> Path:
@@ -124,7 +130,7 @@ class Builder:
         else:
             attention = ATTENTION_BACKENDS[config.attention](self.device)
         model_dir = model_path(config.model)
-        model = load_model(model_dir, self.dtype, self.device)
+        model = load_model(model_dir, self.dtype, self.device, cache_dir())
         self.prepare(model)
         max_model_len = config.max_model_len or model.config.max_position_embeddings
         k = spec.num_draft_tokens if spec.enabled else 0
@@ -258,13 +264,14 @@ class Builder:
             return MTPDrafter(head, self.cache_for(head, num_pages), attention, rows, sampled)
         raise ValueError(f"speculative method {spec.method!r} is not available yet")
 
-    def _head_dir(self, spec: SpecConfig, demo_head: str, name: str) -> Path:
-        """The head directory given with --draft; without one, the demo's head, which fits
-        only the demo target."""
+    def _head_dir(self, spec: SpecConfig, method: str, name: str) -> Path:
+        """The head directory given with --draft; without one, the head that ships for the
+        named target (SHIPPED_HEADS)."""
         if spec.draft:
             return Path(spec.draft)
-        if self.config.model is not None:
+        shipped = SHIPPED_HEADS.get(self.config.model, {}).get(method)
+        if shipped is None or not shipped.is_dir():
             raise ValueError(
-                f"no demo {name} head fits this target: name a head directory with --draft"
+                f"no shipped {name} head fits this target: name a head directory with --draft"
             )
-        return DEMO_DIR / demo_head
+        return shipped

@@ -10,13 +10,16 @@ bos/eos ids from there too. Anything else is refused with an error that names it
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import os
 from pathlib import Path
 from typing import Any
 
 import gguf
 import tokenizers
 import torch
+from safetensors.torch import load_file, save_file
 from tokenizers import decoders, pre_tokenizers
 from tokenizers.models import BPE
 
@@ -146,25 +149,30 @@ def _tensor(t: Any) -> torch.Tensor:
 
 
 def load_gguf_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    cache_dir: Path | None = None,
 ) -> LlamaModel:
-    """A LlamaModel with the file's weights dequantized, then converted to `dtype`."""
+    """A LlamaModel with the file's weights dequantized, then converted to `dtype`. With
+    `cache_dir`, the dequantized weights are kept there as safetensors (named by the file's
+    path, size and time) and read back on the next load instead of dequantized again."""
     reader = _reader(path)
     cfg = config_from_gguf(reader)
     with torch.device("meta"):
         model = LlamaModel(cfg)
     expected = {n: tuple(p.shape) for n, p in model.state_dict().items()}
-    state = {}
-    for t in reader.tensors:
-        name = _our_name(t.name)
-        w = _tensor(t)
-        if name.endswith("q_proj.weight"):
-            w = _unpermute(w, cfg.num_heads)
-        elif name.endswith("k_proj.weight"):
-            w = _unpermute(w, cfg.num_kv_heads)
-        if tuple(w.shape) != expected.get(name):
-            raise CheckpointError(f"GGUF tensor {t.name} has shape {tuple(w.shape)}")
-        state[name] = w.to(device=device, dtype=dtype)
+    cached = _cache_file(Path(path), cache_dir) if cache_dir else None
+    if cached is not None and cached.exists():
+        state = load_file(str(cached))
+    else:
+        state = _dequantized(reader, cfg, expected)
+        if cached is not None:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+            save_file(state, str(tmp))
+            tmp.replace(cached)
+    state = {name: w.to(device=device, dtype=dtype) for name, w in state.items()}
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     missing = set(expected) - set(state)
@@ -176,6 +184,30 @@ def load_gguf_model(
     with torch.device(device):
         model.rotary = Rotary(cfg)
     return model.eval().requires_grad_(False)
+
+
+def _dequantized(
+    reader: Any, cfg: LlamaConfig, expected: dict[str, tuple[int, ...]]
+) -> dict[str, torch.Tensor]:
+    """The file's tensors in float32 under our names, q and k rows back in rotate-half order."""
+    state = {}
+    for t in reader.tensors:
+        name = _our_name(t.name)
+        w = _tensor(t)
+        if name.endswith("q_proj.weight"):
+            w = _unpermute(w, cfg.num_heads)
+        elif name.endswith("k_proj.weight"):
+            w = _unpermute(w, cfg.num_kv_heads)
+        if tuple(w.shape) != expected.get(name):
+            raise CheckpointError(f"GGUF tensor {t.name} has shape {tuple(w.shape)}")
+        state[name] = w
+    return state
+
+
+def _cache_file(path: Path, cache_dir: Path) -> Path:
+    stat = path.stat()
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    return cache_dir / f"gguf-{hashlib.blake2b(key, digest_size=8).hexdigest()}.safetensors"
 
 
 def tokenizer_from_gguf(path: str | Path) -> dict[str, Any]:

@@ -241,13 +241,15 @@ def load_model(
     directory: str | Path,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    cache_dir: Path | None = None,
 ) -> LlamaModel:
-    """A LlamaModel with the directory's weights (or a GGUF file's, models/gguf.py),
-    converted to `dtype`, in eval mode."""
+    """A LlamaModel with the directory's weights (or a GGUF file's, models/gguf.py, whose
+    dequantized weights are kept in `cache_dir` when given), converted to `dtype`, in eval
+    mode."""
     if Path(directory).suffix == ".gguf":
         from models.gguf import load_gguf_model  # models.gguf builds on this module
 
-        return load_gguf_model(directory, dtype, device)
+        return load_gguf_model(directory, dtype, device, cache_dir)
     cfg = config_from_hf(read_config(directory))
     with torch.device("meta"):
         model = LlamaModel(cfg)

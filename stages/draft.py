@@ -121,7 +121,7 @@ class Drafter(Protocol):
 class NoDrafter:
     """Plain decoding: proposes nothing."""
 
-    target_layers = ()
+    target_layers: tuple[int, ...] = ()
 
     def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int]] | None:
         return None

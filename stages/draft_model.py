@@ -19,7 +19,7 @@ from stages.plan import drafter_metadata
 
 
 class DraftModelDrafter:
-    target_layers = ()
+    target_layers: tuple[int, ...] = ()
 
     def __init__(
         self,

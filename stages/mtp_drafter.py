@@ -26,7 +26,7 @@ from stages.plan import drafter_metadata
 
 
 class MTPDrafter:
-    target_layers = ()
+    target_layers: tuple[int, ...] = ()
 
     def __init__(
         self,

@@ -122,7 +122,7 @@ def test_hidden_size_must_match_the_target(target, tmp_path):
 
 
 def test_eagle_without_a_head_directory_is_refused(tiny_target):
-    with pytest.raises(ValueError, match="no demo EAGLE head"):
+    with pytest.raises(ValueError, match="no shipped EAGLE head"):
         asyncio.run(running(make_config(tiny_target, "eagle")).__aenter__())
 
 

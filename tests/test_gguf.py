@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import models.gguf
 from models.attention import CausalAttention
 from models.gguf import LAYER_NAMES, TOP_NAMES
 from models.loader import CheckpointError, load_model, read_config, read_safetensors
@@ -111,6 +112,21 @@ def test_a_gguf_loads_to_the_same_model(checkpoint, tmp_path, quantize):
         assert torch.equal(got.argmax(-1), want.argmax(-1))
     else:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_dequantized_weights_are_cached(checkpoint, tmp_path, monkeypatch):
+    path = write_gguf(checkpoint, tmp_path / "model.gguf", quantize=True)
+    ids = [5, 17, 33, 2, 9, 100, 41]
+    first = logits(load_model(path, cache_dir=tmp_path / "cache"), ids)
+    assert len(list((tmp_path / "cache").glob("gguf-*.safetensors"))) == 1
+
+    def refuse(*args):
+        raise AssertionError("dequantized again")
+
+    monkeypatch.setattr(models.gguf, "_dequantized", refuse)
+    assert torch.equal(logits(load_model(path, cache_dir=tmp_path / "cache"), ids), first)
+    with pytest.raises(AssertionError, match="dequantized again"):
+        load_model(path)  # no cache given: the file is read
 
 
 def test_the_tokenizer_comes_from_the_metadata(checkpoint, tmp_path):

@@ -121,7 +121,7 @@ def test_a_plain_model_is_not_an_mtp_head(tiny_target, target):
 
 
 async def test_mtp_needs_a_head_directory(tiny_target):
-    with pytest.raises(ValueError, match="no demo MTP head"):
+    with pytest.raises(ValueError, match="no shipped MTP head"):
         async with running(make_config(tiny_target, "mtp", None)):
             pass
 
