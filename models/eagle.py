@@ -348,6 +348,7 @@ def save_eagle3_head(
         "architectures": [EAGLE3_ARCH],
         "num_hidden_layers": 1,
         "vocab_size": head.t2d.numel(),
+        "tie_word_embeddings": False,  # the lm_head is the head's own, or the target's
         "draft_vocab_size": head.d2t.numel(),
         "eagle_config": {AUX_KEY: list(head.aux_layers)},
         "norm_before_residual": head.midlayer.norm_before_residual,

@@ -32,8 +32,11 @@ class PagedRunner:
         self.tables = [PageTable(page_size) for _ in range(num_seqs)]
         self.tokens: list[list[int]] = [[] for _ in range(num_seqs)]
 
-    def step(self, chunks: list[list[int]]) -> list[torch.Tensor]:
-        """Append chunk b to sequence b; the logits of each chunk's tokens [len(chunk), vocab]."""
+    def step(
+        self, chunks: list[list[int]], aux_layers: tuple[int, ...] = ()
+    ) -> list[torch.Tensor]:
+        """Append chunk b to sequence b; the logits of each chunk's tokens [len(chunk), vocab]
+        (and in `self.aux` the outputs of `aux_layers` over the step's tokens)."""
         starts = [len(t) for t in self.tokens]
         for table, tokens, chunk in zip(self.tables, self.tokens, chunks, strict=True):
             tokens.extend(chunk)
@@ -62,7 +65,7 @@ class PagedRunner:
         attn = self.attention(meta, self.cache, self.model.config.num_heads)
         ids = torch.tensor([t for c in chunks for t in c])
         with torch.no_grad():
-            hidden, _ = self.model(ids, ints(positions), attn)
+            hidden, self.aux = self.model(ids, ints(positions), attn, aux_layers)
             logits = self.model.logits(hidden)  # [T, vocab]
         return list(logits.split([len(c) for c in chunks]))
 

@@ -14,9 +14,12 @@ from safetensors.torch import load_file, save_file
 from transformers.models.llama import modeling_llama as hf
 
 from core.step import TargetOutput
+from models import native
 from models.attention import CausalAttention
 from models.eagle import Eagle3Head, default_aux_layers, load_eagle_head, save_eagle3_head
+from models.llama import prepare_for_inference
 from models.loader import CheckpointError, load_model
+from tests.paged import PagedRunner
 from tests.tiny import random_eagle3_head
 
 LAYERS = 8
@@ -113,6 +116,25 @@ def test_the_head_equals_the_layer_built_from_transformers(hf_target, target, he
     assert torch.isinf(logits[:, outside]).all() and torch.isfinite(logits[:, head.t2d]).all()
     small = head.lm_head(head.norm(ours))
     assert torch.equal(logits[:, torch.arange(40) + head.d2t], small)
+
+
+@torch.no_grad()
+def test_the_target_layers_through_the_engines_kernels(hf_target, tmp_path, head):
+    """The prepared target's paged forwards (a prefill, then decodes through its
+    NativeDecoder) hand out the residual streams transformers' hidden_states hold."""
+    hf_target.save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    prepare_for_inference(model)
+    if native.available():
+        assert model.decoder is not None
+    runner = PagedRunner(model, num_seqs=1)
+    states = hf_target(torch.tensor(TOKENS)[None], output_hidden_states=True).hidden_states
+    start = 0
+    for chunk in (TOKENS[:9], TOKENS[9:10], TOKENS[10:]):
+        runner.step([chunk], head.target_layers)
+        for got, layer in zip(runner.aux, head.aux_layers, strict=True):
+            assert close(got, states[layer][0, start : start + len(chunk)])
+        start += len(chunk)
 
 
 def speculators_dir(directory, head: Eagle3Head):
