@@ -48,7 +48,10 @@ MODEL_NAMES = {None: "tandem-demo", SMOLLM2: "SmolLM2-135M-Instruct"}
 # trained for SmolLM2
 SHIPPED_HEADS = {
     None: {"eagle": DEMO_DIR / "eagle", "mtp": DEMO_DIR / "mtp"},
-    SMOLLM2: {"eagle": DEMO_DIR.parent / "smollm2" / "eagle3"},
+    SMOLLM2: {
+        "eagle": DEMO_DIR.parent / "smollm2" / "eagle3",
+        "mtp": DEMO_DIR.parent / "smollm2" / "mtp",
+    },
 }
 
 
