@@ -10,6 +10,7 @@ bos/eos ids from there too. Anything else is refused with an error that names it
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -82,8 +83,16 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def _reader(path: str | Path) -> Any:
+    """The file's reader, kept for the file's next reader (the weights and the tokenizer each
+    want one; parsing SmolLM2's metadata takes seconds): one per path, size and time."""
+    stat = Path(path).stat() if Path(path).is_file() else None
+    return _cached_reader(str(Path(path).resolve()), stat and (stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, stamp: tuple[int, int] | None) -> Any:
     try:
-        return gguf.GGUFReader(str(path))
+        return gguf.GGUFReader(path)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} is not a readable GGUF file: {e}") from e
 

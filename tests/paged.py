@@ -32,9 +32,7 @@ class PagedRunner:
         self.tables = [PageTable(page_size) for _ in range(num_seqs)]
         self.tokens: list[list[int]] = [[] for _ in range(num_seqs)]
 
-    def step(
-        self, chunks: list[list[int]], aux_layers: tuple[int, ...] = ()
-    ) -> list[torch.Tensor]:
+    def step(self, chunks: list[list[int]], aux_layers: tuple[int, ...] = ()) -> list[torch.Tensor]:
         """Append chunk b to sequence b; the logits of each chunk's tokens [len(chunk), vocab]
         (and in `self.aux` the outputs of `aux_layers` over the step's tokens)."""
         starts = [len(t) for t in self.tokens]
