@@ -196,10 +196,12 @@ class Builder:
 
     def _calibration_cache(self, model_dir: Path) -> Path:
         """Where the cost model's curves are kept between starts when no --calibration is
-        given: a file in CACHE_DIR named by what the curves depend on (the target and drafter
+        given: a file in cache_dir() named by what the curves depend on (the target and drafter
         files, the shapes, the device and its threads), so a second start skips measuring."""
         config, spec = self.config, self.config.spec
-        files = [model_dir] + ([Path(spec.draft)] if spec.draft else [])
+        shipped = SHIPPED_HEADS.get(config.model, {}).get(spec.method)
+        drafter = Path(spec.draft) if spec.draft else shipped
+        files = [model_dir] + ([drafter] if drafter is not None and drafter.exists() else [])
         key = {
             "files": [(str(f.resolve()), *_file_stamp(f)) for f in files],
             "spec": [spec.method, spec.num_speculative_tokens, spec.tree, spec.tree_nodes],

