@@ -92,6 +92,14 @@ class Calibration:
         tmp.replace(path)
 
     @classmethod
+    def read(cls, path: str | Path) -> Calibration | None:
+        """The saved curves, or None where the file is missing or unreadable (measure again)."""
+        try:
+            return cls.load(path)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    @classmethod
     def load(cls, path: str | Path) -> Calibration:
         d = json.loads(Path(path).read_text())
         return cls(Curve(**d["verify"]), Curve(**d["draft"]))
@@ -149,11 +157,9 @@ def build_cost_model(
     """The cost model of a target and drafter (`probe(n)`: a drafter forward over n tokens),
     its curves loaded from the calibration file `path` or measured now (a few seconds) and
     saved there."""
-    if path and Path(path).exists():
-        try:
-            return CostModel(Calibration.load(path), k_max)
-        except (ValueError, KeyError, TypeError):  # unreadable: measure again, overwrite it
-            pass
+    saved = Calibration.read(path) if path else None
+    if saved is not None:
+        return CostModel(saved, k_max)
     device = target.embed_tokens.weight.device
 
     def verify(num_tokens: int) -> None:

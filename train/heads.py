@@ -113,7 +113,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         )
         if data.aux is None:
             raise SystemExit("the precomputed data has no target layers: precompute with --eagle3")
-    layers = tuple(head_data.read_meta(data_dir)["aux_layers"])
+    layers = tuple(head_data.read_meta(data_dir).get("aux_layers", ()))  # older stores: none
     head = head_train.build_head(args.kind, target, draft_ids, layers)
     log.info(
         "%s head: %.2fM trainable parameters; %d windows of %d tokens (%.2fM tokens); %s",
