@@ -469,6 +469,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--device": (str, "DEVICE", engine.device, "torch device: cpu, cuda, cuda:1, ..."),
         "--dtype": (str, "DTYPE", engine.dtype, "float32, bfloat16 or float16"),
         "--seed": (int, "N", engine.seed, "seed of the requests that bring none"),
+        "--tensor-parallel-size": (
+            int,
+            "N",
+            engine.tensor_parallel_size,
+            "ranks the target is split over: N processes on this machine (gloo), or the group "
+            "torchrun started; Hugging Face directories in float32/bfloat16 only; k is fixed",
+        ),
         "--watchdog-seconds": (
             float,
             "S",
@@ -574,6 +581,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, S
             trace_file=a.trace_file,
             seed=a.seed,
             watchdog_s=a.watchdog_seconds,
+            tensor_parallel_size=a.tensor_parallel_size,
         )
         options = ServerOptions(
             a.host,
@@ -590,14 +598,35 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, S
 def main(argv: Sequence[str] | None = None) -> int:
     config, options = config_from_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    from engine.engine import AsyncEngine  # torch and the models: only once the flags are good
+    from engine import parallel  # torch and the models: only once the flags are good
+    from engine.engine import AsyncEngine
+    from engine.worker import run_rank, serve_rank
 
+    size, workers, group = config.tensor_parallel_size, None, None
     try:
-        engine = AsyncEngine(config)
-    except (OSError, ValueError) as e:
+        if size > 1 and (joined := parallel.from_environment(size)) is not None:
+            rank, address = joined  # torchrun started every rank; it watches them
+            group = parallel.join(rank, size, address)
+            if rank > 0:
+                serve_rank(config, group, lambda: None)
+                return 0
+        elif size > 1:
+            workers = parallel.Workers(size, run_rank, config)
+            group = workers.join_as_leader(size)
+        engine = AsyncEngine(config, group, workers.check if workers else None)
+        if workers is not None:
+            started = workers
+            started.wait(lambda: len(started.ready) == size - 1, "a rank did not start")
+    except (OSError, ValueError, RuntimeError) as e:
         print(f"server.py: error: cannot load the model: {e}", file=sys.stderr)
+        if workers is not None:
+            workers.stop(timeout=0)
         return 1
-    return uvloop.run(serve(engine, options))
+    try:
+        return uvloop.run(serve(engine, options))
+    finally:
+        if workers is not None:
+            workers.stop()
 
 
 if __name__ == "__main__":

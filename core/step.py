@@ -82,7 +82,7 @@ class Plan:
 
     @property
     def batch_size(self) -> int:
-        return len(self.seqs)
+        return len(self.fields["rows"])  # a tensor-parallel follower has no seqs
 
     @property
     def width(self) -> int:

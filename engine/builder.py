@@ -20,6 +20,7 @@ import torch
 
 from engine.config import EngineConfig, SpecConfig
 from engine.cost import CostModel, build_cost_model
+from engine.parallel import Group
 from engine.scheduler import Scheduler
 from kv.cache import KVCache
 from kv.pages import PageAllocator
@@ -30,8 +31,9 @@ from models.gguf import packaged_smollm2
 from models.llama import LlamaModel, prepare_for_inference
 from models.loader import load_model
 from models.mtp import load_mtp_head
+from models.parallel import shard_module
 from models.tokenizer import Tokenizer
-from stages.draft import Drafter, NgramDrafter, NoDrafter
+from stages.draft import Drafter, LeaderDrafts, NgramDrafter, NoDrafter
 from stages.draft_model import DraftModelDrafter
 from stages.eagle_drafter import DynamicTree, EagleDrafter, EagleTreeDrafter, FixedTree
 from stages.history import TokenHistory
@@ -120,8 +122,11 @@ class Built:
 
 
 class Builder:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, group: Group | None = None):
+        """`group`: this rank's tensor-parallel group (None: one process)."""
         self.config = config
+        self.group = group
+        self.shard = group.shard if group is not None else None
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
 
@@ -133,7 +138,7 @@ class Builder:
         else:
             attention = ATTENTION_BACKENDS[config.attention](self.device)
         model_dir = model_path(config.model)
-        model = load_model(model_dir, self.dtype, self.device, cache_dir())
+        model = load_model(model_dir, self.dtype, self.device, cache_dir(), self.shard)
         self.prepare(model)
         max_model_len = config.max_model_len or model.config.max_position_embeddings
         k = spec.num_draft_tokens if spec.enabled else 0
@@ -159,7 +164,8 @@ class Builder:
             max_model_len,
         )
         cost = None
-        if spec.enabled and spec.picks_k:
+        # the cost model times forwards on the leader alone: under tensor parallelism k is fixed
+        if spec.enabled and spec.picks_k and self.group is None:
             path = spec.calibration or str(self._calibration_cache(model_dir))
             cost = build_cost_model(model, drafter, config.max_running, k, path)
         return Built(
@@ -174,10 +180,13 @@ class Builder:
             cost=cost,
         )
 
-    def prepare(self, model: Any) -> None:
+    def prepare(self, model: Any, head: bool = False) -> None:
         """A loaded model or head made ready to run (fused, packed; batch-invariant or int8
-        linears in those modes)."""
+        linears in those modes). `head`: an EAGLE or MTP head, which tensor parallelism
+        splits like the target (the target is split as it loads)."""
         cfg = self.config
+        if head and self.shard is not None:
+            shard_module(model, self.shard, vocab=False)
         prepare_for_inference(model, cfg.batch_invariant, int8=cfg.quantization == "int8")
 
     def cache_for(self, model: Any, num_pages: int) -> KVCache:
@@ -232,6 +241,8 @@ class Builder:
             return NoDrafter()
         if spec.method == "ngram":
             return NgramDrafter(spec.ngram_min, spec.ngram_max)
+        if spec.method == "draft" and self.group is not None and not self.group.leader:
+            return LeaderDrafts()  # the draft model runs on the leader only
         if spec.method == "draft":
             directory = Path(spec.draft) if spec.draft else DEMO_DIR / "draft"
             model = load_model(directory, self.dtype, self.device)
@@ -245,7 +256,7 @@ class Builder:
             return DraftModelDrafter(model, cache, attention, rows, sampled)
         if spec.method == "eagle":
             eagle = load_eagle_head(self._head_dir(spec, "eagle", "EAGLE"), target)
-            self.prepare(eagle)  # one layer: a one-layer cache
+            self.prepare(eagle, head=True)  # one layer: a one-layer cache
             if spec.tree == "chain":
                 cache = self.cache_for(eagle, num_pages)
                 return EagleDrafter(eagle, cache, attention, rows, sampled)
@@ -265,7 +276,7 @@ class Builder:
             )
         if spec.method == "mtp":
             head = load_mtp_head(self._head_dir(spec, "mtp", "MTP"), target)
-            self.prepare(head)
+            self.prepare(head, head=True)
             return MTPDrafter(head, self.cache_for(head, num_pages), attention, rows, sampled)
         raise ValueError(f"speculative method {spec.method!r} is not available yet")
 

@@ -158,8 +158,18 @@ class EngineConfig:
     # (a prefill chunk of max_batch_tokens takes well under a second on a CPU)
     watchdog_s: float = 60.0
     max_failed_steps: int = 8  # consecutive failed steps that open the circuit breaker
+    tensor_parallel_size: int = 1  # ranks the target is split over (engine/parallel.py)
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
+        if self.tensor_parallel_size > 1 and (
+            self.device != "cpu" or self.quantization or self.batch_invariant
+        ):
+            raise ValueError(
+                "tensor parallelism runs float weights on the CPU (gloo) only: not with "
+                "--quantization, --batch-invariant or a CUDA device yet"
+            )
         if self.watchdog_s <= 0 or self.max_failed_steps < 1:
             raise ValueError("watchdog_s must be > 0 and max_failed_steps at least 1")
         if self.attention not in ATTENTION_BACKENDS:

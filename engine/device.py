@@ -108,8 +108,9 @@ class Stream:
             self._worker.close()
 
     def _execute(self, fn: Callable, args: tuple, future: Future, cuda_event: Any) -> None:
-        if not future.set_running_or_notify_cancel():
-            return
+        # a cancelled future (its waiter left) still runs its work, as a GPU stream's would:
+        # later work depends on it, here and on the other tensor-parallel ranks
+        waited = future.set_running_or_notify_cancel()
         self.item_started = time.perf_counter()
         if self.delay:
             threading.Event().wait(self._random.uniform(0, self.delay))
@@ -121,9 +122,11 @@ class Stream:
             else:
                 value = fn(*args)
         except BaseException as error:  # handed to whoever awaits the event
-            future.set_exception(error)
+            if waited:
+                future.set_exception(error)
         else:
-            future.set_result(value)
+            if waited:
+                future.set_result(value)
 
 
 class _Worker:

@@ -22,6 +22,7 @@ import logging
 import operator
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,9 +35,11 @@ from engine.config import EngineConfig
 from engine.device import Event, run_on_device
 from engine.executor import Executor, Packed, StepRun
 from engine.metrics import EngineMetrics
+from engine.parallel import Group
 from engine.publish import Publisher, RequestStream
 from engine.request import EngineFailed, InvalidRequest, Overloaded, SamplingParams
 from engine.trace import Tracer
+from models.parallel import traffic
 from stages.plan import draft_cap, make_plan, pack
 
 log = logging.getLogger("tandem.engine")
@@ -49,10 +52,19 @@ SWITCH_INTERVAL_S = 2e-4
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(
+        self,
+        config: EngineConfig,
+        group: Group | None = None,
+        watch: Callable[[], str | None] | None = None,
+    ):
+        """`group`: the leader's tensor-parallel group (engine/parallel.py; None: one
+        process); `watch`: what has failed among the other ranks (None: nothing yet), which
+        stops the engine (parallel.Workers.check)."""
         self.config = config
+        self.group, self.watch = group, watch
         self.device = torch.device(config.device)
-        built = run_on_device(self.device, Builder(config).build)
+        built = run_on_device(self.device, Builder(config, group).build)
         self.model, self.tokenizer, self.model_name = built.model, built.tokenizer, built.model_name
         self.vocab_size = built.model.config.vocab_size
         self.max_model_len = built.max_model_len
@@ -63,7 +75,9 @@ class AsyncEngine:
         self.drafter = built.stages.drafter
         self.metrics = EngineMetrics(self.k)
         self.metrics.collect = self._update_gauges  # gauges are read when rendered
-        self.tracer = Tracer(config.trace_file)
+        self.tracer = Tracer(config.trace_file, rank=None if group is None else group.rank)
+        if group is not None:
+            self.metrics.world_size.set(group.size)
         self.publisher = Publisher(
             self.tokenizer,
             self.max_model_len,
@@ -85,7 +99,9 @@ class AsyncEngine:
     async def start(self) -> None:
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL_S))
-        self.executor = Executor(self.device, self.stages, self._record, self.config.device_delay)
+        self.executor = Executor(
+            self.device, self.stages, self._record, self.config.device_delay, self.group
+        )
         self._wake = asyncio.Event()
         self._published = -1  # the last step whose tokens reached the requests
         self._publishes = asyncio.Event()  # set at each publish
@@ -329,6 +345,10 @@ class AsyncEngine:
                 self.cost.observe(run.plan.batch_size, run.plan.k, run.time.seconds)
 
     def _update_gauges(self) -> None:
+        if self.group is not None:
+            for name in ("broadcast", "all_reduce", "all_gather"):
+                labels = self.metrics.rank_bytes.labels(rank=self.group.rank, collective=name)
+                labels.set(getattr(traffic, name))
         allocator = self.allocator
         self.metrics.set_requests(len(self.scheduler.running), len(self.scheduler.waiting))
         self.metrics.set_kv_pages(allocator.num_pages - allocator.num_free, allocator.num_pages)
@@ -346,7 +366,10 @@ class AsyncEngine:
         """Stop the engine when no step completes for watchdog_s while requests wait."""
         limit = self.config.watchdog_s
         while True:
-            await asyncio.sleep(min(1.0, limit / 4))
+            await asyncio.sleep(min(1.0 if self.watch is None else 0.2, limit / 4))
+            if self.watch is not None and (failure := self.watch()) is not None:
+                self._stop_serving(f"tensor parallelism: {failure}")
+                return
             if not self.outputs:
                 self._progress = time.monotonic()
             elif time.monotonic() - self._progress > limit:

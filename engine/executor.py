@@ -21,8 +21,9 @@ import torch
 from core.step import DevicePlan, Drafts, Outcome, Plan, StepKind, TargetOutput, Verdict
 from engine.builder import DeviceStages
 from engine.device import Event, Stream
+from engine.parallel import Group
 from stages.insert import next_tokens
-from stages.plan import unpack
+from stages.plan import FIELDS, unpack
 
 Packed = tuple[list[int], dict[str, int]]  # stages.plan.pack: the flat buffer, section sizes
 Fault = Callable[[str, Plan, DevicePlan | None], None]  # (stage, plan, device plan)
@@ -83,8 +84,16 @@ class HostBuffers:
 
 
 class Executor:
-    def __init__(self, device: torch.device, stages: DeviceStages, record: Record, delay: float):
+    def __init__(
+        self,
+        device: torch.device,
+        stages: DeviceStages,
+        record: Record,
+        delay: float,
+        group: Group | None = None,  # tensor parallelism: this rank's group
+    ):
         self.stages = stages
+        self.group = group
         self.record = record  # each stage's timeline record
         self.compute = Stream(device, "compute", delay, seed=1)
         # copies overlap compute only on a GPU; on the CPU the host does them itself (a thread
@@ -114,7 +123,10 @@ class Executor:
         return await self.d2h.submit(lambda: Outcome.of(sampled.result().verdict))
 
     def close(self) -> None:
-        """After the work submitted so far has run."""
+        """After the work submitted so far has run (and, on a tensor-parallel leader, a
+        stop to the other ranks after it)."""
+        if self.group is not None and self.group.leader:
+            self.compute.submit(self.group.stop)
         for stream in (self.compute, self.h2d, self.d2h):
             if stream is not None:
                 stream.close()
@@ -124,27 +136,80 @@ class Executor:
     def _sample_piece(
         self, plan: Plan, time: DeviceTime, copied: Event, layout: dict[str, int]
     ) -> Sampled:
+        start = self.compute.item_started
+        return self._to_sample(plan, time, copied.result(), layout, None, start)
+
+    def _to_sample(
+        self,
+        plan: Plan,
+        time: DeviceTime,
+        buffer: torch.Tensor,  # [n] int32 the plan's packed sections
+        layout: dict[str, int],
+        drafts: Drafts | None,  # a follower's: the leader's drafts; None: draft here
+        start: float | None = None,
+    ) -> Sampled:
+        """Upload, draft, verify and sample. Under tensor parallelism the leader broadcasts
+        the step to the other ranks, after its drafts where only it drafts (a draft model)."""
         s = self.stages
-        with self._stage(plan, time, "upload", None, self.compute.item_started):
-            dev = unpack(plan, copied.result(), layout)
+        sends = self.group is not None and self.group.leader
+        with self._stage(plan, time, "upload", None, start):
+            dev = unpack(plan, buffer, layout)
+        if sends and not s.drafter.leader_only:
+            self._broadcast(plan, time, buffer, layout, None)
         with self._stage(plan, time, "draft", dev):
             last_token = None
             if plan.kind == StepKind.DECODE:
                 moves = any(plan.unknown)
                 last_token = next_tokens(dev, s.insert, s.history.accepted, s.history.tokens, moves)
-            drafts = s.drafter.propose(plan, dev) if plan.k else Drafts(dev.host_drafts)
+            if drafts is None:
+                drafts = s.drafter.propose(plan, dev) if plan.k else Drafts(dev.host_drafts)
+        if sends and s.drafter.leader_only:
+            self._broadcast(plan, time, buffer, layout, drafts)
         with self._stage(plan, time, "verify", dev):
             out = s.verifier(plan, dev, drafts, last_token)
         with self._stage(plan, time, "sample", dev):
             verdict = s.sampler(plan, dev, out, drafts)
         return Sampled(dev, out, verdict)
 
+    def _broadcast(
+        self,
+        plan: Plan,
+        time: DeviceTime,
+        buffer: torch.Tensor,
+        layout: dict[str, int],
+        drafts: Drafts | None,
+    ) -> None:
+        assert self.group is not None
+        with self._stage(plan, time, "broadcast", None) as fields:
+            self.group.send_step(plan, buffer, layout, drafts)
+            fields["bytes"] = self.group.capacity * 4
+
     def _refill_piece(self, plan: Plan, time: DeviceTime, sampled: Event) -> int:
-        first: Sampled = sampled.result()  # raises when the step's first piece failed
-        with self._stage(plan, time, "refill", first.dev, self.compute.item_started) as fields:
+        # raises when the step's first piece failed
+        return self._refill(plan, time, sampled.result(), self.compute.item_started)
+
+    def _refill(
+        self, plan: Plan, time: DeviceTime, first: Sampled, start: float | None = None
+    ) -> int:
+        with self._stage(plan, time, "refill", first.dev, start) as fields:
             tokens = self.stages.refiller(plan, first.dev, first.out, first.verdict)
             fields["drafter_tokens"] = tokens  # the drafter's refill forward: tokens a sequence
         return tokens
+
+    # ---- a follower rank (tensor parallelism) ----
+
+    def follow(self) -> None:
+        """Run every step the leader broadcasts, in this thread, until it says stop."""
+        assert self.group is not None and not self.group.leader
+        while True:
+            start = perf_counter()
+            received = self.group.receive(FIELDS)
+            if received is None:
+                return
+            plan, time = received.plan, DeviceTime()
+            self.record(plan.step, "wait_plan", start, perf_counter(), batch_size=plan.batch_size)
+            first = self._to_sample(plan, time, received.buffer, received.layout, received.drafts)
+            self._refill(plan, time, first)
 
     @contextlib.contextmanager
     def _stage(

@@ -273,6 +273,15 @@ class EngineMetrics:
             "tandem_inter_token_latency_seconds", "Time between a request's outputs.", STEP_BUCKETS
         )
         self.step = r.histogram("tandem_step_seconds", "Engine step duration.", STEP_BUCKETS)
+        self.world_size = r.gauge(
+            "tandem_tensor_parallel_size", "Ranks the target is split over (1: one process)."
+        )
+        self.world_size.set(1)
+        self.rank_bytes = r.gauge(
+            "tandem_tensor_parallel_bytes",
+            "Bytes the leader rank has sent through each collective.",
+            ["rank", "collective"],
+        )
         for reason in FinishReason:  # every reason shows, at 0 until it happens
             self.requests_finished.labels(reason=reason.value)
         for position in range(num_speculative_tokens):

@@ -34,7 +34,11 @@ class Tracer:
 
     A record may carry `track` ("host" or "device") to override the stage's usual track."""
 
-    def __init__(self, path: str | os.PathLike[str] | None = None, keep: int = 0) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str] | None = None, keep: int = 0, rank: int | None = None
+    ) -> None:
+        """`rank`: the tensor-parallel rank every record names (None: one process)."""
+        self.rank = rank
         self._file: IO[str] | None = None
         self._log: Any = None
         if path is not None:
@@ -69,6 +73,8 @@ class Tracer:
         if not self.enabled:
             return
         event = {"step": step, "stage": stage, "start": start, "end": end, **fields}
+        if self.rank is not None:
+            event["rank"] = self.rank
         if self._log is not None:
             self._log.info("span", **event)
         if self.records is not None:

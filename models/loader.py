@@ -7,8 +7,9 @@ except `lm_head.weight`, which is absent when the embeddings are tied.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from models.llama import LlamaConfig, LlamaModel, Rotary
+from models.parallel import Shard, shard_module
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -242,17 +244,28 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     cache_dir: Path | None = None,
+    shard: Shard | None = None,
 ) -> LlamaModel:
     """A LlamaModel with the directory's weights (or a GGUF file's, models/gguf.py, whose
     dequantized weights are kept in `cache_dir` when given), converted to `dtype`, in eval
-    mode."""
+    mode. `shard`: this rank's slice of a tensor-parallel model (models/parallel.py), read
+    from the files slice by slice."""
     if Path(directory).suffix == ".gguf":
+        if shard is not None:
+            raise ValueError(
+                "a GGUF file is not served with tensor parallelism: give a Hugging Face "
+                "directory (or --tensor-parallel-size 1)"
+            )
         from models.gguf import load_gguf_model  # models.gguf builds on this module
 
         return load_gguf_model(directory, dtype, device, cache_dir)
     cfg = config_from_hf(read_config(directory))
     with torch.device("meta"):
         model = LlamaModel(cfg)
+    if shard is not None:
+        with contextlib.ExitStack() as files:
+            shard_module(model, shard, True, _lazy_source(directory, model, files), dtype, device)
+        return _finish(model, device)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         del expected["lm_head.weight"]
@@ -262,6 +275,12 @@ def load_model(
     model.load_state_dict(state, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    return _finish(model, device)
+
+
+def _finish(model: LlamaModel, device: torch.device | str) -> LlamaModel:
+    """A loaded model's computed buffers, checked complete, in eval mode."""
+    cfg = model.config
     with torch.device(device):
         model.rotary = Rotary(cfg)  # its buffer is computed, not stored
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
@@ -269,6 +288,32 @@ def load_model(
         raise CheckpointError(f"{left[0]!r} was not loaded")
     model.eval().requires_grad_(False)
     return model
+
+
+def _lazy_source(
+    directory: str | Path, model: LlamaModel, files: contextlib.ExitStack
+) -> Callable[[str], Any]:
+    """name -> the checkpoint's lazy slice of that parameter (read only where taken), its
+    full shape checked against the model's."""
+    where = {}
+    for path in safetensors_files(directory):
+        f = files.enter_context(safe_open(str(path), framework="pt"))
+        where.update({hf.removeprefix("model."): (f, hf) for hf in f.keys()})
+
+    def source(name: str) -> Any:
+        if name not in where:
+            raise CheckpointError(f"tensor {_hf_name(name)!r} missing from {directory}")
+        f, hf_name = where[name]
+        tensor = f.get_slice(hf_name)
+        expected = tuple(model.get_parameter(name).shape)
+        if tuple(tensor.get_shape()) != expected:
+            raise CheckpointError(
+                f"tensor {hf_name!r} has shape {tuple(tensor.get_shape())}, "
+                f"the config implies {expected}"
+            )
+        return tensor
+
+    return source
 
 
 def _load_state(

@@ -103,6 +103,9 @@ class Drafter(Protocol):
     """
 
     target_layers: tuple[int, ...]  # target layers whose outputs it reads (TargetOutput.aux)
+    # under tensor parallelism: it runs on the leader rank only, whose drafts the step's
+    # broadcast carries (a draft model); else every rank drafts with its slice of the head
+    leader_only: bool
 
     def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int]] | None: ...
 
@@ -122,6 +125,7 @@ class NoDrafter:
     """Plain decoding: proposes nothing."""
 
     target_layers: tuple[int, ...] = ()
+    leader_only = False
 
     def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int]] | None:
         return None
@@ -137,6 +141,16 @@ class NoDrafter:
 
     def probe(self, num_tokens: int) -> None:
         pass
+
+
+class LeaderDrafts(NoDrafter):
+    """A tensor-parallel follower's draft model: it runs on the leader only, and the drafts
+    arrive with the step's plan (engine/parallel.py)."""
+
+    leader_only = True
+
+    def propose(self, plan: Plan, dev: DevicePlan) -> Drafts:
+        raise RuntimeError("a draft model's drafts come with the leader's plan")
 
 
 class NgramDrafter(NoDrafter):

@@ -20,6 +20,7 @@ from stages.plan import drafter_metadata
 
 class DraftModelDrafter:
     target_layers: tuple[int, ...] = ()
+    leader_only = True  # too small to gain from sharding
 
     def __init__(
         self,

@@ -29,6 +29,8 @@ from stages.tree import move_tree_path, tree_ancestors, tree_drafts
 
 
 class EagleDrafter:
+    leader_only = False  # the head is sharded with the target
+
     def __init__(
         self,
         head: EagleHead | Eagle3Head,

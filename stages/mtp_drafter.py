@@ -27,6 +27,7 @@ from stages.plan import drafter_metadata
 
 class MTPDrafter:
     target_layers: tuple[int, ...] = ()
+    leader_only = False  # the head is sharded with the target
 
     def __init__(
         self,

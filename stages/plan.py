@@ -17,6 +17,28 @@ from core.step import Batch, DevicePlan, Plan, Sequence, StepKind
 from kv.table import build_csr
 from models.attention import paged_metadata
 
+# the plan's int32 sections, in the order make_plan writes them (engine/parallel.py sends
+# their sizes in this order)
+FIELDS = (
+    "rows",
+    "input_ids",
+    "positions",
+    "slot_mapping",
+    "qo_indptr",
+    "kv_indptr",
+    "kv_indices",
+    "kv_last_page_len",
+    "logits_index",
+    "tail_slots",
+    "base",
+    "emits",
+    "emit_index",
+    "num_drafts",
+    "prompt_lens",
+    "host_drafts",
+    "unknown",
+)
+
 
 def make_plan(
     batch: Batch,

@@ -8,6 +8,7 @@ import json
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from engine.builder import DEMO_DIR
 from engine.config import EngineConfig, KVConfig, SpecConfig
@@ -35,6 +36,36 @@ async def running(config: EngineConfig) -> AsyncIterator[AsyncEngine]:
         yield engine
     finally:
         await engine.stop()
+
+
+@contextlib.asynccontextmanager
+async def running_parallel(config: EngineConfig) -> AsyncIterator[tuple[AsyncEngine, Any]]:
+    """The engine as server.py runs it with --tensor-parallel-size: this process the leader
+    rank, the others worker processes (engine.parallel.Workers, yielded beside the engine);
+    the process group is left again afterwards."""
+    import torch
+    import torch.distributed as dist
+
+    from engine.parallel import Workers
+    from engine.worker import run_rank
+
+    size, threads = config.tensor_parallel_size, torch.get_num_threads()
+    workers = Workers(size, run_rank, config)
+    try:
+        group = workers.join_as_leader(size)
+        engine = AsyncEngine(config, group, workers.check)
+        workers.wait(lambda: len(workers.ready) == size - 1, "a rank did not start")
+        await engine.start()
+        try:
+            yield engine, workers
+        finally:
+            if engine.failure is None:
+                await engine.stop()
+    finally:
+        workers.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        torch.set_num_threads(threads)
 
 
 def ragged_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -18,7 +18,7 @@ def sequence(row: int, prompt_len: int, pages: list[int], max_tokens: int = 16, 
     request = Request(
         f"r{row}",
         list(range(10, 10 + prompt_len)),
-        SamplingParams(max_tokens=max_tokens, temperature=0, **params),
+        SamplingParams(**{"max_tokens": max_tokens, "temperature": 0} | params),
         0,
         0.0,
     )

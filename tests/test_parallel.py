@@ -1,0 +1,239 @@
+"""Tensor parallelism: the sharding rule, the step message, and 2 ranks over gloo giving the
+output of one process for every drafter, the sampled law, and faults that end the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+
+from core.params import SamplingTensors
+from core.request import FinishReason
+from core.step import Batch, Drafts, StepKind
+from engine.builder import DEMO_DIR
+from engine.parallel import Workers, decode, decode_step, encode, encode_step
+from engine.request import SamplingParams
+from models.llama import LlamaConfig
+from models.parallel import Shard, fitting_sizes
+from stages.plan import FIELDS, make_plan, pack
+from tests.engine_util import make_config, running, running_parallel, staggered, token_ids
+from tests.stats import PARAMS, PROMPT, N, assert_law, exact_joint
+from tests.test_plan import sequence
+from tests.tiny import write_model, write_tokenizer
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300], list(range(40, 75)), [7] * 12, [901, 17, 5, 3]]
+DEMO_HEADS = {"draft": "draft", "eagle": "eagle", "mtp": "mtp"}
+
+
+# ---- the rule, without processes ----
+
+
+def smollm2_shapes() -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+    )
+
+
+def test_sizes_the_heads_do_not_divide_are_refused_with_the_rule():
+    cfg = smollm2_shapes()
+    assert fitting_sizes(cfg) == [1, 3]
+    Shard(0, 3).check(cfg)
+    with pytest.raises(ValueError, match="9 attention heads must divide by 2.*fit: 1, 3"):
+        Shard(0, 2).check(cfg)
+
+
+def test_a_rank_takes_its_heads_and_replicates_a_kv_head_it_shares():
+    cfg = LlamaConfig(
+        vocab_size=10, hidden_size=8, intermediate_size=6, num_layers=1, num_heads=4,
+        num_kv_heads=1, head_dim=2,
+    )  # fmt: skip
+    rows = torch.arange(8)[:, None].expand(8, 8)  # row i holds i
+    shard = Shard(1, 2)
+    assert shard.take("layers.0.self_attn.q_proj.weight", rows, cfg, True)[:, 0].tolist() == [
+        4, 5, 6, 7,
+    ]  # fmt: skip
+    kv = torch.arange(2)[:, None].expand(2, 8)  # one kv head of head_dim 2
+    assert shard.take("layers.0.self_attn.k_proj.weight", kv, cfg, True)[:, 0].tolist() == [0, 1]
+    embed = torch.arange(10)[:, None].expand(10, 8).float()
+    last = shard.take("embed_tokens.weight", embed, cfg, True)  # rows 5..9
+    assert last[:, 0].tolist() == [5, 6, 7, 8, 9]
+    assert Shard(0, 3).take("lm_head.weight", embed, cfg, True).shape[0] == 4
+    padded = Shard(2, 3).take("lm_head.weight", embed, cfg, True)  # rows 8, 9, two zero rows
+    assert padded[:, 0].tolist() == [8, 9, 0, 0]
+    assert shard.take("norm.weight", torch.ones(8), cfg, True).shape == (8,)
+
+
+def test_encoded_tensors_come_back_whole():
+    tensors = [
+        torch.tensor([3, -(2**40), 7]),  # int64 at an odd word
+        None,
+        torch.randn(2, 3),
+        torch.tensor([True, False]),
+        torch.zeros(0, 4),
+    ]
+    body = torch.cat([torch.tensor([9], dtype=torch.int32), encode(tensors)])
+    back, end = decode(body, 1, len(tensors))
+    assert end == body.numel()
+    for a, b in zip(tensors, back, strict=True):
+        assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
+
+
+def test_a_step_message_gives_the_follower_the_leaders_plan():
+    seqs = [sequence(0, 5, [3, 4, 5]), sequence(1, 9, [9, 1, 2, 6], temperature=0.7, seed=3)]
+    params = [s.request.params for s in seqs]
+    sampling = SamplingTensors.build(params, [11, 2**62], "cpu")
+    assert sampling.coupled is not None  # a seeded sampled row: every tensor travels
+    plan = make_plan(Batch(StepKind.DECODE, seqs, [0, 0]), 7, 3, 4, sampling)
+    assert tuple(plan.fields) == FIELDS
+    flat, layout = pack(plan.fields)
+    buffer = torch.tensor(flat, dtype=torch.int32)
+    drafts = Drafts(torch.tensor([[4, 5, 6], [7, 8, 9]]), torch.rand(2, 3, 12))
+    got = decode_step(encode_step(plan, buffer, layout, drafts), FIELDS)
+    p = got.plan
+    assert (p.step, p.kind, p.k, p.page_size, p.batch_size) == (7, StepKind.DECODE, 3, 4, 2)
+    assert p.fields == plan.fields and (p.max_q, p.max_kv) == (plan.max_q, plan.max_kv)
+    assert (p.num_drafts, p.base, p.emits, p.unknown) == (
+        plan.num_drafts, plan.base, plan.emits, plan.unknown,
+    )  # fmt: skip
+    assert torch.equal(got.buffer, buffer) and got.layout == layout
+    for f in dataclasses.fields(SamplingTensors):
+        a, b = getattr(sampling, f.name), getattr(p.sampling, f.name)
+        assert (a is None and b is None) or (
+            torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+        ), f.name
+    assert got.drafts is not None and torch.equal(got.drafts.tokens, drafts.tokens)
+    assert torch.equal(got.drafts.probs, drafts.probs) and got.drafts.parents is None
+    assert decode_step(encode_step(plan, buffer, layout, None), FIELDS).drafts is None
+
+
+# ---- two ranks ----
+
+
+def demo_config(method: str, **spec_kw):
+    head = DEMO_HEADS.get(method)
+    draft = DEMO_DIR / head if head else None
+    k = 1 if spec_kw.pop("one_token", False) else 3
+    return make_config(DEMO_DIR / "target", method, draft, k=k, pages=64, spec_kw=spec_kw)
+
+
+async def greedy_both(config, prompts=PROMPTS):
+    async with running(config) as engine:
+        one = await staggered(engine, prompts, GREEDY)
+    parallel = dataclasses.replace(config, tensor_parallel_size=2)
+    async with running_parallel(parallel) as (engine, _):
+        two = await staggered(engine, prompts, GREEDY)
+        assert "tandem_tensor_parallel_size 2" in engine.metrics.render()
+    return one, two
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "method, spec_kw",
+    [
+        ("none", {}),
+        ("draft", {}),
+        ("ngram", {}),
+        ("eagle", {}),
+        ("eagle", {"tree": "fixed"}),
+        ("eagle", {"tree": "dynamic"}),
+        ("mtp", {}),
+        ("mtp", {"one_token": True}),
+    ],
+    ids=["none", "draft", "ngram", "eagle-chain", "eagle-fixed", "eagle-dynamic", "mtp-k", "mtp-1"],
+)
+async def test_two_ranks_give_one_process_greedy_output(method, spec_kw):
+    one, two = await greedy_both(demo_config(method, **spec_kw))
+    assert all(len(t) == GREEDY.max_tokens for t in one)
+    assert two == one
+
+
+@pytest.fixture(scope="module")
+def hf_gqa_llama(tmp_path_factory):
+    """A transformers-written Llama with 4 query heads over 1 KV head (so 2 ranks replicate
+    it), tied embeddings, and weights scaled for wide top-2 gaps."""
+    transformers = pytest.importorskip("transformers")
+    directory = tmp_path_factory.mktemp("hf_gqa")
+    vocab = write_tokenizer(directory, 331)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(5)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.3)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("method", ["none", "ngram"])
+async def test_two_ranks_on_a_transformers_llama_with_gqa(hf_gqa_llama, method):
+    config = make_config(hf_gqa_llama, method, k=3, pages=64)
+    prompts = [[p % 300 for p in prompt] for prompt in PROMPTS]
+    one, two = await greedy_both(config, prompts)
+    assert two == one
+
+
+@pytest.mark.timeout(300)
+async def test_two_ranks_sample_the_targets_law(tmp_path):
+    """The chi-square law test (tests/stats.py) with the draft model on the leader and the
+    target over 2 ranks: every rank samples the same verdict from the same keyed draws."""
+    target = write_model(tmp_path / "t", layers=1, hidden=16, seed=3, scale=1.5, model_vocab=6)
+    draft = write_model(tmp_path / "d", layers=1, hidden=16, seed=4, scale=1.5, model_vocab=6)
+    config = make_config(
+        target, "draft", draft, k=2, pages=3 * N, page_size=4, max_running=N, max_waiting=N,
+        max_batch_tokens=len(PROMPT) * N, max_model_len=16, tensor_parallel_size=2,
+    )  # fmt: skip
+    async with running_parallel(config) as (engine, _):
+        outs = await asyncio.gather(
+            *(engine.generate(PROMPT, SamplingParams(**PARAMS)) for _ in range(N))
+        )
+    observed: dict[tuple[int, ...], int] = {}
+    for out in outs:
+        key = tuple(token_ids(out))
+        observed[key] = observed.get(key, 0) + 1
+    assert_law(observed, exact_joint(target), N)
+
+
+@pytest.mark.timeout(120)
+async def test_a_worker_killed_mid_stream_ends_every_stream_and_the_engine():
+    config = dataclasses.replace(demo_config("none"), tensor_parallel_size=2)
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    async with running_parallel(config) as (engine, workers):
+        streams = [engine.submit(p, long) for p in PROMPTS[:3]]
+        assert (await anext(streams[0])).token_ids  # streaming
+        workers.processes[0].kill()
+        ends = await asyncio.wait_for(asyncio.gather(*(last(s) for s in streams)), 10)
+        assert all(end.finish_reason == FinishReason.ERROR for end in ends)
+        await asyncio.wait_for(engine.failed.wait(), 5)  # the server exits on it
+        assert "rank 1 exited (killed by SIGKILL)" in (engine.failure or "")
+
+
+async def last(stream):
+    deltas = [delta async for delta in stream]
+    return deltas[-1]
+
+
+def _fails_to_start(rank, size, address, reports, message):
+    reports.put((rank, f"ValueError: {message}"))
+    raise SystemExit(1)
+
+
+def test_a_rank_that_fails_to_start_is_named_with_its_cause():
+    workers = Workers(2, _fails_to_start, "no such checkpoint")
+    try:
+        with pytest.raises(RuntimeError, match="rank 1 failed: ValueError: no such checkpoint"):
+            workers.join_as_leader(2)
+    finally:
+        workers.stop()
