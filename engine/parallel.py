@@ -270,7 +270,7 @@ class Workers:
     collectives would wait for it for 30 minutes)."""
 
     def __init__(self, size: int, target: Callable[..., None], *args: Any):
-        self.address = f"tcp://127.0.0.1:{_free_port()}"
+        self.address = f"tcp://127.0.0.1:{free_port()}"
         context = multiprocessing.get_context("spawn")
         self.reports: Any = context.Queue()  # (rank, "ready") or (rank, the failure)
         self.processes = [
@@ -350,7 +350,7 @@ def _exit(process: Any) -> str:
     return f"exit code {code}"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

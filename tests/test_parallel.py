@@ -4,7 +4,15 @@ output of one process for every drafter, the sampled law, and faults that end th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +21,7 @@ from core.params import SamplingTensors
 from core.request import FinishReason
 from core.step import Batch, Drafts, StepKind
 from engine.builder import DEMO_DIR
-from engine.parallel import Workers, decode, decode_step, encode, encode_step
+from engine.parallel import Workers, decode, decode_step, encode, encode_step, free_port
 from engine.request import SamplingParams
 from models.llama import LlamaConfig
 from models.parallel import Shard, fitting_sizes
@@ -237,3 +245,58 @@ def test_a_rank_that_fails_to_start_is_named_with_its_cause():
             workers.join_as_leader(2)
     finally:
         workers.stop()
+
+
+# ---- server.py ----
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def children(pid: int) -> list[int]:
+    """The spawned rank processes of `pid` (not multiprocessing's resource tracker)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+            if int(fields[1]) == pid and b"spawn_main" in cmdline:
+                found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_the_server_exits_naming_a_killed_rank(tmp_path):
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "server.py", "--model", "demo", "--port", str(port),
+         "--tensor-parallel-size", "2"],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                    break
+            time.sleep(0.2)
+        [worker] = children(server.pid)
+        os.kill(worker, signal.SIGKILL)
+        killed = time.monotonic()
+        assert server.wait(timeout=10) == 1
+        assert time.monotonic() - killed < 5
+        _, err = server.communicate()
+        assert "rank 1 exited (killed by SIGKILL)" in err
+        assert children(server.pid) == []
+    finally:
+        server.kill()
+
+
+def test_the_server_refuses_a_size_the_heads_do_not_divide(tmp_path):
+    target = write_model(tmp_path / "t", hidden=48)  # 3 heads, 1 KV head
+    done = subprocess.run(
+        [sys.executable, "server.py", "--model", str(target), "--tensor-parallel-size", "2",
+         "--speculative", "none"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "its 3 attention heads must divide by 2" in done.stderr
