@@ -600,9 +600,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from engine import parallel  # torch and the models: only once the flags are good
     from engine.engine import AsyncEngine
-    from engine.worker import run_rank, serve_rank
+    from engine.worker import leave, serve_rank, start_leader
 
-    size, workers, group = config.tensor_parallel_size, None, None
+    size, workers = config.tensor_parallel_size, None
     try:
         if size > 1 and (joined := parallel.from_environment(size)) is not None:
             rank, address = joined  # torchrun started every rank; it watches them
@@ -610,23 +610,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             if rank > 0:
                 serve_rank(config, group, lambda: None)
                 return 0
+            engine = AsyncEngine(config, group)
         elif size > 1:
-            workers = parallel.Workers(size, run_rank, config)
-            group = workers.join_as_leader(size)
-        engine = AsyncEngine(config, group, workers.check if workers else None)
-        if workers is not None:
-            started = workers
-            started.wait(lambda: len(started.ready) == size - 1, "a rank did not start")
+            engine, workers = start_leader(config)
+        else:
+            engine = AsyncEngine(config)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"server.py: error: cannot load the model: {e}", file=sys.stderr)
-        if workers is not None:
-            workers.stop(timeout=0)
         return 1
     try:
         return uvloop.run(serve(engine, options))
     finally:
         if workers is not None:
-            workers.stop()
+            leave(workers)
 
 
 if __name__ == "__main__":

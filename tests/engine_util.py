@@ -10,10 +10,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from core.request import Request
+from core.step import Sequence
 from engine.builder import DEMO_DIR
 from engine.config import EngineConfig, KVConfig, SpecConfig
 from engine.engine import AsyncEngine
 from engine.request import Delta, SamplingParams
+from kv.table import PageTable
 from models.tokenizer import Tokenizer
 
 
@@ -44,17 +47,12 @@ async def running_parallel(config: EngineConfig) -> AsyncIterator[tuple[AsyncEng
     rank, the others worker processes (engine.parallel.Workers, yielded beside the engine);
     the process group is left again afterwards."""
     import torch
-    import torch.distributed as dist
 
-    from engine.parallel import Workers
-    from engine.worker import run_rank
+    from engine.worker import leave, start_leader
 
-    size, threads = config.tensor_parallel_size, torch.get_num_threads()
-    workers = Workers(size, run_rank, config)
+    threads = torch.get_num_threads()
+    engine, workers = start_leader(config)
     try:
-        group = workers.join_as_leader(size)
-        engine = AsyncEngine(config, group, workers.check)
-        workers.wait(lambda: len(workers.ready) == size - 1, "a rank did not start")
         await engine.start()
         try:
             yield engine, workers
@@ -62,10 +60,25 @@ async def running_parallel(config: EngineConfig) -> AsyncIterator[tuple[AsyncEng
             if engine.failure is None:
                 await engine.stop()
     finally:
-        workers.stop()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave(workers)
         torch.set_num_threads(threads)
+
+
+def sequence(
+    row: int, prompt_len: int, pages: list[int], max_tokens: int = 16, page_size: int = 4, **params
+):
+    """A decoding Sequence of a prompt of `prompt_len` tokens over the given pages."""
+    request = Request(
+        f"r{row}",
+        list(range(10, 10 + prompt_len)),
+        SamplingParams(**{"max_tokens": max_tokens, "temperature": 0} | params),
+        0,
+        0.0,
+    )
+    seq = Sequence(request, PageTable(page_size, pages), row)
+    seq.prefill_ids = list(request.prompt_ids)
+    seq.num_tokens = prompt_len
+    return seq
 
 
 def ragged_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:

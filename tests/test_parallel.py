@@ -26,9 +26,15 @@ from engine.request import SamplingParams
 from models.llama import LlamaConfig
 from models.parallel import Shard, fitting_sizes
 from stages.plan import FIELDS, make_plan, pack
-from tests.engine_util import make_config, running, running_parallel, staggered, token_ids
+from tests.engine_util import (
+    make_config,
+    running,
+    running_parallel,
+    sequence,
+    staggered,
+    token_ids,
+)
 from tests.stats import PARAMS, PROMPT, N, assert_law, exact_joint
-from tests.test_plan import sequence
 from tests.tiny import write_model, write_tokenizer
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)

@@ -5,27 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from core.params import SamplingParams, SamplingTensors
-from core.request import Request
+from core.params import SamplingTensors
 from core.step import Batch, Sequence, StepKind
-from kv.table import PageTable
 from stages.plan import make_plan, pack, unpack
+from tests.engine_util import sequence
 
 PAGE = 4
-
-
-def sequence(row: int, prompt_len: int, pages: list[int], max_tokens: int = 16, **params):
-    request = Request(
-        f"r{row}",
-        list(range(10, 10 + prompt_len)),
-        SamplingParams(**{"max_tokens": max_tokens, "temperature": 0} | params),
-        0,
-        0.0,
-    )
-    seq = Sequence(request, PageTable(PAGE, pages), row)
-    seq.prefill_ids = list(request.prompt_ids)
-    seq.num_tokens = prompt_len
-    return seq
 
 
 def sampling(seqs: list[Sequence]) -> SamplingTensors:
