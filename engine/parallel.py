@@ -76,7 +76,6 @@ class Group:
         self.rank, self.size = rank, size
         self.shard = Shard(rank, size)
         self.buffer = torch.zeros(capacity, dtype=torch.int32)
-        self.broadcasts = 0  # messages, and their bytes (traffic.broadcast)
 
     @property
     def leader(self) -> bool:
@@ -126,7 +125,6 @@ class Group:
 
     def _broadcast(self) -> None:
         dist.broadcast(self.buffer, 0)
-        self.broadcasts += 1
         traffic.broadcast += self.buffer.numel() * 4
 
 
