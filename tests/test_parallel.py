@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,7 +24,10 @@ from core.step import Batch, Drafts, StepKind
 from engine.builder import DEMO_DIR
 from engine.parallel import Workers, decode, decode_step, encode, encode_step, free_port
 from engine.request import SamplingParams
+from models.eagle import save_eagle3_head, save_eagle_head
 from models.llama import LlamaConfig
+from models.loader import load_model
+from models.mtp import save_mtp_head
 from models.parallel import Shard, fitting_sizes
 from stages.plan import FIELDS, make_plan, pack
 from tests.engine_util import (
@@ -35,7 +39,13 @@ from tests.engine_util import (
     token_ids,
 )
 from tests.stats import PARAMS, PROMPT, N, assert_law, exact_joint
-from tests.tiny import write_model, write_tokenizer
+from tests.tiny import (
+    random_eagle3_head,
+    random_eagle_head,
+    random_mtp_head,
+    write_model,
+    write_tokenizer,
+)
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300], list(range(40, 75)), [7] * 12, [901, 17, 5, 3]]
@@ -138,13 +148,18 @@ def demo_config(method: str, **spec_kw):
     return make_config(DEMO_DIR / "target", method, draft, k=k, pages=64, spec_kw=spec_kw)
 
 
-async def greedy_both(config, prompts=PROMPTS):
+async def greedy_both(config, prompts=PROMPTS, kept=True):
+    """Greedy output of one process and of 2 ranks; `kept`: some drafts are accepted."""
     async with running(config) as engine:
         one = await staggered(engine, prompts, GREEDY)
     parallel = dataclasses.replace(config, tensor_parallel_size=2)
     async with running_parallel(parallel) as (engine, _):
         two = await staggered(engine, prompts, GREEDY)
-        assert "tandem_tensor_parallel_size 2" in engine.metrics.render()
+        metrics = engine.metrics.render()
+    assert "tandem_tensor_parallel_size 2" in metrics
+    if kept and config.spec.method != "none":
+        accepted = re.search(r"^tandem_spec_decode_num_accepted_tokens_total (\S+)$", metrics, re.M)
+        assert accepted and float(accepted.group(1)) > 0
     return one, two
 
 
@@ -190,12 +205,57 @@ def hf_gqa_llama(tmp_path_factory):
     return directory
 
 
+@pytest.fixture(scope="module")
+def gqa_drafters(hf_gqa_llama, tmp_path_factory):
+    """Drafters for the GQA Llama: a draft model that is the target with its weights
+    perturbed (so that it agrees often and some drafts are kept); random EAGLE-1 and EAGLE-3
+    heads (the latter reads the stream entering layer 1 and the output) and a random MTP
+    head, whose drafts the target rejects: with them the test checks that the sharded heads
+    run and leave the target's output alone."""
+    import transformers
+
+    root = tmp_path_factory.mktemp("gqa_heads")
+    draft = transformers.LlamaForCausalLM.from_pretrained(hf_gqa_llama)
+    torch.manual_seed(6)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    draft.save_pretrained(root / "draft", safe_serialization=True)
+    write_tokenizer(root / "draft", draft.config.vocab_size)
+    target = load_model(hf_gqa_llama)
+    save_eagle_head(random_eagle_head(target, norms=True), root / "eagle")
+    save_eagle3_head(random_eagle3_head(target, (1, 2), draft_vocab=200), root / "eagle3")
+    save_mtp_head(random_mtp_head(target, seed=7), root / "mtp")
+    return {kind: root / kind for kind in ("draft", "eagle", "eagle3", "mtp")}
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("method", ["none", "ngram"])
-async def test_two_ranks_on_a_transformers_llama_with_gqa(hf_gqa_llama, method):
-    config = make_config(hf_gqa_llama, method, k=3, pages=64)
+@pytest.mark.parametrize(
+    "method, head, k, spec_kw",
+    [
+        ("none", None, 3, {}),
+        ("draft", "draft", 3, {}),
+        ("ngram", None, 3, {}),
+        ("eagle", "eagle", 3, {}),
+        ("eagle", "eagle", 3, {"tree": "fixed"}),
+        ("eagle", "eagle", 3, {"tree": "dynamic"}),
+        ("eagle", "eagle3", 3, {}),
+        ("mtp", "mtp", 3, {}),
+        ("mtp", "mtp", 1, {}),
+    ],
+    ids=[
+        "none", "draft", "ngram", "eagle-chain", "eagle-fixed", "eagle-dynamic", "eagle3-chain",
+        "mtp-k", "mtp-1",
+    ],
+)  # fmt: skip
+async def test_two_ranks_on_a_transformers_llama_with_gqa(
+    hf_gqa_llama, gqa_drafters, method, head, k, spec_kw
+):
+    draft = gqa_drafters[head] if head else None
+    config = make_config(hf_gqa_llama, method, draft, k=k, pages=64, spec_kw=spec_kw)
     prompts = [[p % 300 for p in prompt] for prompt in PROMPTS]
-    one, two = await greedy_both(config, prompts)
+    one, two = await greedy_both(config, prompts, kept=method in ("draft", "ngram"))
+    assert all(len(t) == GREEDY.max_tokens for t in one)
     assert two == one
 
 
