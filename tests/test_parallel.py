@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import re
 import signal
@@ -366,3 +367,64 @@ def test_the_server_refuses_a_size_the_heads_do_not_divide(tmp_path):
     )  # fmt: skip
     assert done.returncode == 1
     assert "its 3 attention heads must divide by 2" in done.stderr
+
+
+def rank_processes(pid: int) -> dict[int, int]:
+    """{rank: pid} of the processes torchrun's agent `pid` started."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != pid:
+                continue
+            env = (stat.parent / "environ").read_bytes().split(b"\0")
+            rank = next(int(v[5:]) for v in env if v.startswith(b"RANK="))
+            found[rank] = int(stat.parent.name)
+    return found
+
+
+@pytest.mark.timeout(180)
+async def test_torchrun_ranks_serve_one_process_output_and_end_on_a_killed_rank():
+    """Every rank started by torchrun runs server.py; rank 0 serves. Its greedy completion
+    equals one process's; a killed rank ends all of them (torchrun's agent watches its
+    ranks), non-zero, naming the rank."""
+    prompt = [5, 6, 7, 8, 9]
+    async with running(demo_config("none")) as engine:
+        deltas = await engine.generate(prompt, GREEDY)
+    expected = "".join(delta.text for delta in deltas)
+    port = free_port()
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "server.py", "--model", "demo", "--port", str(port), "--tensor-parallel-size", "2",
+         "--speculative", "draft"],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"{base}/health", timeout=1):
+                    break
+            time.sleep(0.2)
+        body = {"prompt": prompt, "max_tokens": GREEDY.max_tokens, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        post = urllib.request.Request(
+            f"{base}/v1/completions",
+            json.dumps(body).encode(),
+            {"content-type": "application/json"},
+        )
+        with urllib.request.urlopen(post, timeout=30) as response:
+            answer = json.load(response)
+        assert answer["choices"][0]["text"] == expected
+        assert answer["usage"]["speculative"]["accepted_tokens"] > 0
+        ranks = rank_processes(agent.pid)
+        assert sorted(ranks) == [0, 1]
+        os.kill(ranks[1], signal.SIGKILL)
+        killed = time.monotonic()
+        assert agent.wait(timeout=15) != 0
+        assert time.monotonic() - killed < 10
+        _, err = agent.communicate()
+        assert re.search(r"rank\s*: 1 .*\n.*exitcode\s*: -9", err)
+        assert not Path(f"/proc/{ranks[0]}").exists()  # rank 0 ended with it, no orphan
+    finally:
+        agent.kill()
