@@ -8,8 +8,9 @@
  *
  * The caller (models/native.py) passes tensors as data pointers and guarantees their shapes,
  * dtypes and contiguity; nothing here allocates Python objects or touches torch. Loops are
- * written on 16-lane vectors (or as `omp simd` loops without reductions); every reduction
- * runs in a fixed order, so a row's result depends only on that row. The threads of the
+ * written on the machine's own vectors over 16-float blocks (or as `omp simd` loops without
+ * reductions); every reduction runs in a fixed order, the same on every vector width, so a
+ * row's result depends only on that row. The threads of the
  * attention and the products are an OpenMP team: the process's libgomp is torch's (the same
  * soname, loaded first), so they are the threads torch's own operations use.
  */
@@ -49,9 +50,8 @@ static double as_double(int64_t bits) {
 
 #define PTR(type, v) ((type *)(intptr_t)(v))
 
-/* ---- 16-lane vectors (GCC's vector extensions: AVX-512 registers where there are, pairs of
- * AVX2 ones elsewhere); every horizontal sum is a fixed tree, so results do not depend on
- * the machine's vector width ---- */
+/* ---- 16-lane vectors (GCC's vector extensions), the native vectors of AVX-512, where the
+ * attention's scores and hsum_block use them; every horizontal sum is hsum16's tree ---- */
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i16 __attribute__((vector_size(64)));
@@ -64,14 +64,6 @@ static inline v16 load16(const float *x) {
 
 static inline void store16(float *x, v16 v) { memcpy(x, &v, sizeof v); }
 
-static inline v16 splat(float x) { return (v16){0} + x; }
-
-static inline v16 select16(i16 take_a, v16 a, v16 b) { /* take_a lanes are all ones or zero */
-    return (v16)(((i16)a & take_a) | ((i16)b & ~take_a));
-}
-
-static inline v16 max16(v16 a, v16 b) { return select16(a > b, a, b); }
-
 /* the 16 lanes of x summed: halves, then quarters, ... */
 static inline float hsum16(v16 x) {
     x += __builtin_shuffle(x, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
@@ -79,12 +71,6 @@ static inline float hsum16(v16 x) {
     x += __builtin_shuffle(x, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
     x += __builtin_shuffle(x, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
     return x[0];
-}
-
-static inline float hmax16(v16 x) {
-    float m = x[0];
-    for (int i = 1; i < 16; i++) m = x[i] > m ? x[i] : m;
-    return m;
 }
 
 /* lane j of the result: the sum of acc[j]'s lanes, all 16 at once (a transposing tree: each
@@ -113,22 +99,66 @@ static inline v16 sum16x16(const v16 acc[16]) {
     return __builtin_shuffle(f, bit_reversed);
 }
 
+/* ---- the machine's own vectors: 16 floats with AVX-512, 8 with AVX2. GCC keeps a 16-float
+ * vector on the stack where registers hold 8 (5 times slower products, 2 times slower
+ * attention, measured), so the kernels loop over a 16-float block's HALVES native vectors,
+ * and every horizontal sum still runs hsum16's tree, whatever the width ---- */
+
+#ifdef __AVX512F__
+#define LANES 16
+#else
+#define LANES 8
+#endif
+#define HALVES (16 / LANES) /* native vectors a 16-float block */
+
+typedef float vn __attribute__((vector_size(LANES * 4)));
+typedef int32_t in_ __attribute__((vector_size(LANES * 4)));
+typedef int8_t i8n __attribute__((vector_size(LANES)));
+
+static inline vn loadn(const float *x) {
+    vn v;
+    memcpy(&v, x, sizeof v);
+    return v;
+}
+
+static inline void storen(float *x, vn v) { memcpy(x, &v, sizeof v); }
+
+static inline vn splatn(float x) { return (vn){0} + x; }
+
+static inline vn selectn(in_ take_a, vn a, vn b) { /* take_a lanes are all ones or zero */
+    return (vn)(((in_)a & take_a) | ((in_)b & ~take_a));
+}
+
+/* the 16 floats of a block's halves summed by hsum16's tree: lane l + lane l + 8, then the
+ * same folds by 4, 2 and 1 */
+static inline float hsum_block(const vn *a) {
+#if LANES == 16
+    return hsum16(a[0]);
+#else
+    vn x = a[0] + a[1];
+    x += __builtin_shuffle(x, (in_){4, 5, 6, 7, 0, 1, 2, 3});
+    x += __builtin_shuffle(x, (in_){2, 3, 0, 1, 6, 7, 4, 5});
+    x += __builtin_shuffle(x, (in_){1, 0, 3, 2, 5, 4, 7, 6});
+    return x[0];
+#endif
+}
+
 /* exp(x) lane by lane: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial
  * (relative error below 2e-7), 2^n put into the exponent bits; 0 at and below -87 (-inf
  * included), x capped at 88 (exp(88) = 1.7e38, float32's largest power of e) */
-static inline v16 exp16(v16 x) {
-    i16 tiny = x <= splat(-87.0f);
-    x = select16(tiny, splat(-87.0f), x);
-    x = select16(x > splat(88.0f), splat(88.0f), x);
-    v16 n = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 */
-    v16 r = x - n * 0.693145752f - n * 1.42860677e-6f;
-    v16 poly = 1.0f + r * (1.0f + r * (0.5f + r * (1.66666667e-1f + r * (4.16666667e-2f +
-               r * (8.33333333e-3f + r * 1.38888889e-3f)))));
-    i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
-    return select16(tiny, splat(0.0f), poly * (v16)bits);
+static inline vn expn(vn x) {
+    in_ tiny = x <= splatn(-87.0f);
+    x = selectn(tiny, splatn(-87.0f), x);
+    x = selectn(x > splatn(88.0f), splatn(88.0f), x);
+    vn n = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 */
+    vn r = x - n * 0.693145752f - n * 1.42860677e-6f;
+    vn poly = 1.0f + r * (1.0f + r * (0.5f + r * (1.66666667e-1f + r * (4.16666667e-2f +
+              r * (8.33333333e-3f + r * 1.38888889e-3f)))));
+    in_ bits = (__builtin_convertvector(n, in_) + 127) << 23;
+    return selectn(tiny, splatn(0.0f), poly * (vn)bits);
 }
 
-static inline float exp1(float x) { return exp16(splat(x))[0]; }
+static inline float exp1(float x) { return expn(splatn(x))[0]; }
 
 /* ---- products with blocked weights: y [M, O] = x [M, I] W^T (+ bias) ----
  *
@@ -140,67 +170,81 @@ static inline float exp1(float x) { return exp16(splat(x))[0]; }
  * memory). Float32 weights, or int8 with a scale per output (applied once at the end).
  * Output blocks are shared by the threads. A row's result depends only on that row. */
 
-#define GEMM_ROWS 8 /* rows of x a pass over the weights serves */
+/* Products run GEMM_ROWS rows of x a pass over the weights, GEMM_PASS blocks a pass: the
+ * accumulators (rows x blocks x halves native vectors) must stay in registers. AVX-512 has
+ * 32 registers: 8 rows x 2 blocks. AVX2 has 16: 6 rows x 1 block x 2 halves, 2 for the
+ * weights, 1 for x. Each output's sum runs over the inputs in order either way, so the
+ * results do not depend on these. */
+#ifdef __AVX512F__
+#define GEMM_ROWS 8
+#define GEMM_PASS 2
+#else
+#define GEMM_ROWS 6
+#define GEMM_PASS 1
+#endif
+#define GEMM_VECS (GEMM_PASS * HALVES) /* native vectors a row's pass accumulates */
 
-typedef int8_t i8x16 __attribute__((vector_size(16)));
-
-/* 16 int8 weights as floats: one sign extension and one conversion with AVX-512 */
-static inline v16 int8_weights(const int8_t *q) {
+/* LANES int8 weights as floats: one sign extension and one conversion */
+static inline vn int8_weights(const int8_t *q) {
 #ifdef __AVX512F__
     __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q));
-    v16 w;
+    vn w;
     __m512 f = _mm512_cvtepi32_ps(wide);
     memcpy(&w, &f, sizeof w);
     return w;
 #else
-    i8x16 b;
+    i8n b;
     memcpy(&b, q, sizeof b);
-    return __builtin_convertvector(__builtin_convertvector(b, i16), v16);
+    return __builtin_convertvector(__builtin_convertvector(b, in_), vn);
 #endif
 }
 
-/* rows m0..m0+ROWS of the product for output block ob; ROWS a constant, so that the
- * accumulators stay in registers */
+/* one input's weights for the pass's blocks, times each row's input, into the accumulators */
+#define GEMM_STEP(ROWS, LOAD)                                                                 \
+    {                                                                                         \
+        vn w[GEMM_VECS];                                                                      \
+        for (int v = 0; v < GEMM_VECS; v++)                                                   \
+            w[v] = LOAD((v / HALVES) * next + i * 16 + (v % HALVES) * LANES);                 \
+        for (int m = 0; m < ROWS; m++) {                                                      \
+            float xm = xr[m * in + i];                                                        \
+            for (int v = 0; v < GEMM_VECS; v++) acc[v][m] += xm * w[v];                       \
+        }                                                                                     \
+    }
+#define INT8_AT(offset) int8_weights(wq + base + (offset))
+#define FLOAT_AT(offset) loadn(wf + base + (offset))
+
+/* rows m0..m0+ROWS of the product for output blocks ob..ob+nb-1 (nb <= GEMM_PASS); ROWS a
+ * constant, so that the accumulators stay in registers */
 #define GEMM_BLOCK(ROWS)                                                                      \
     static void gemm_block_##ROWS(const float *x, const float *wf, const int8_t *wq,         \
                                   const float *scales, const float *bias, float *y,           \
                                   int64_t m0, int64_t in, int64_t out, int64_t ob,            \
                                   int64_t nb) {                                               \
-        v16 acc[2][ROWS];                                                                     \
-        for (int m = 0; m < ROWS; m++) acc[0][m] = acc[1][m] = splat(0.0f);                   \
+        vn acc[GEMM_VECS][ROWS];                                                              \
+        for (int v = 0; v < GEMM_VECS; v++)                                                   \
+            for (int m = 0; m < ROWS; m++) acc[v][m] = (vn){0};                               \
         int64_t base = ob * in * 16, next = nb > 1 ? in * 16 : 0;                             \
         const float *xr = x + m0 * in;                                                        \
         if (wq)                                                                               \
-            for (int64_t i = 0; i < in; i++) {                                                \
-                v16 w0 = int8_weights(wq + base + i * 16);                                    \
-                v16 w1 = int8_weights(wq + base + next + i * 16);                             \
-                for (int m = 0; m < ROWS; m++) {                                              \
-                    float xm = xr[m * in + i];                                                \
-                    acc[0][m] += xm * w0, acc[1][m] += xm * w1;                               \
-                }                                                                             \
-            }                                                                                 \
+            for (int64_t i = 0; i < in; i++) GEMM_STEP(ROWS, INT8_AT)                         \
         else                                                                                  \
-            for (int64_t i = 0; i < in; i++) {                                                \
-                v16 w0 = load16(wf + base + i * 16), w1 = load16(wf + base + next + i * 16);  \
-                for (int m = 0; m < ROWS; m++) {                                              \
-                    float xm = xr[m * in + i];                                                \
-                    acc[0][m] += xm * w0, acc[1][m] += xm * w1;                               \
-                }                                                                             \
-            }                                                                                 \
+            for (int64_t i = 0; i < in; i++) GEMM_STEP(ROWS, FLOAT_AT)                        \
         for (int64_t b = 0; b < nb; b++)                                                      \
-            store_block(acc[b], ROWS, scales, bias, y, m0, out, ob + b);                      \
+            for (int m = 0; m < ROWS; m++) {                                                  \
+                float lanes[16];                                                              \
+                for (int h = 0; h < HALVES; h++)                                              \
+                    memcpy(lanes + h * LANES, &acc[b * HALVES + h][m], sizeof(vn));           \
+                store_row(lanes, scales, bias, y + (m0 + m) * out, out, ob + b);              \
+            }                                                                                 \
     }
 
-static inline void store_block(const v16 *acc, int rows, const float *scales, const float *bias,
-                               float *y, int64_t m0, int64_t out, int64_t ob) {
+/* a row's 16 sums of block ob into y (scaled for int8 weights, then the bias added) */
+static inline void store_row(const float *lanes, const float *scales, const float *bias,
+                             float *y, int64_t out, int64_t ob) {
     int64_t o0 = ob * 16, n = out - o0 < 16 ? out - o0 : 16;
-    for (int m = 0; m < rows; m++) {
-        v16 r = acc[m];
-        if (scales) r *= load16(scales + o0); /* scales are padded to whole blocks */
-        float lanes[16];
-        store16(lanes, r);
-        float *dst = y + (m0 + m) * out + o0;
-        for (int64_t j = 0; j < n; j++) dst[j] = lanes[j] + (bias ? bias[o0 + j] : 0.0f);
+    for (int64_t j = 0; j < n; j++) {
+        float r = scales ? lanes[j] * scales[o0 + j] : lanes[j];
+        y[o0 + j] = r + (bias ? bias[o0 + j] : 0.0f);
     }
 }
 
@@ -210,27 +254,32 @@ GEMM_BLOCK(3)
 GEMM_BLOCK(4)
 GEMM_BLOCK(5)
 GEMM_BLOCK(6)
+#if GEMM_ROWS == 8
 GEMM_BLOCK(7)
 GEMM_BLOCK(8)
+#endif
 
 typedef void (*gemm_block_fn)(const float *, const float *, const int8_t *, const float *,
                               const float *, float *, int64_t, int64_t, int64_t, int64_t,
                               int64_t);
 static const gemm_block_fn GEMM_BLOCKS[GEMM_ROWS + 1] = {
-    NULL,          gemm_block_1, gemm_block_2, gemm_block_3, gemm_block_4,
-    gemm_block_5, gemm_block_6, gemm_block_7, gemm_block_8,
+    NULL,         gemm_block_1, gemm_block_2, gemm_block_3, gemm_block_4, gemm_block_5,
+    gemm_block_6,
+#if GEMM_ROWS == 8
+    gemm_block_7, gemm_block_8,
+#endif
 };
 
 static void gemm(const float *x, const float *wf, const int8_t *wq, const float *scales,
                  const float *bias, float *y, int64_t m_rows, int64_t in, int64_t out,
                  int threads) {
-    int64_t blocks = (out + 15) / 16, pairs = (blocks + 1) / 2;
+    int64_t blocks = (out + 15) / 16, passes = (blocks + GEMM_PASS - 1) / GEMM_PASS;
     for (int64_t m0 = 0; m0 < m_rows; m0 += GEMM_ROWS) {
         int64_t rows = m_rows - m0 < GEMM_ROWS ? m_rows - m0 : GEMM_ROWS;
 #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t pair = 0; pair < pairs; pair++) {
-            int64_t ob = 2 * pair;
-            GEMM_BLOCKS[rows](x, wf, wq, scales, bias, y, m0, in, out, ob, ob + 1 < blocks ? 2 : 1);
+        for (int64_t pass = 0; pass < passes; pass++) {
+            int64_t ob = GEMM_PASS * pass, nb = blocks - ob < GEMM_PASS ? blocks - ob : GEMM_PASS;
+            GEMM_BLOCKS[rows](x, wf, wq, scales, bias, y, m0, in, out, ob, nb);
         }
     }
 }
@@ -255,10 +304,14 @@ static void rms_norm_rows(float *out, const float *x, const float *w, int64_t ro
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * dim;
         float *o = out + r * dim;
-        v16 squares = splat(0.0f);
+        vn squares[HALVES] = {0};
         int64_t i = 0;
-        for (; i + 16 <= dim; i += 16) squares += load16(xr + i) * load16(xr + i);
-        float ss = hsum16(squares);
+        for (; i + 16 <= dim; i += 16)
+            for (int h = 0; h < HALVES; h++) {
+                vn v = loadn(xr + i + h * LANES);
+                squares[h] += v * v;
+            }
+        float ss = hsum_block(squares);
         for (; i < dim; i++) ss += xr[i] * xr[i];
         float scale = 1.0f / sqrtf(ss / (float)dim + eps);
 #pragma omp simd
@@ -321,9 +374,9 @@ static void silu_mul_rows(float *out, const float *gu, int64_t rows, int64_t int
         const float *g = gu + r * 2 * inter, *u = g + inter;
         float *o = out + r * inter;
         int64_t i = 0;
-        for (; i + 16 <= inter; i += 16) {
-            v16 x = load16(g + i);
-            store16(o + i, x / (1.0f + exp16(-x)) * load16(u + i));
+        for (; i + LANES <= inter; i += LANES) {
+            vn x = loadn(g + i);
+            storen(o + i, x / (1.0f + expn(-x)) * loadn(u + i));
         }
         for (; i < inter; i++) o[i] = g[i] / (1.0f + exp1(-g[i])) * u[i];
     }
@@ -397,6 +450,8 @@ static void attend_chunk(const Paged *p, const Item *it, float *scores) {
             const uint8_t *seen = p->mask ? p->mask + (b * p->qmax + i) * p->lmax + j0 : NULL;
             for (int64_t g = 0; g < group; g++) {
                 const float *qv = p->q + t * p->q_stride + (h * group + g) * dim;
+                float *s = scores + ((t - it->t0) * group + g) * CHUNK + k0;
+#if LANES == 16 /* the 16 keys' sums at once, by a transposing tree */
                 v16 acc[16];
                 for (int j = 0; j < 16; j++) {
                     v16 a = load16(qv) * load16(keys[j]);
@@ -404,8 +459,19 @@ static void attend_chunk(const Paged *p, const Item *it, float *scores) {
                         a += load16(qv + 16 * c) * load16(keys[j] + 16 * c);
                     acc[j] = a;
                 }
-                float *s = scores + ((t - it->t0) * group + g) * CHUNK + k0;
                 store16(s, sum16x16(acc) * p->scale);
+#else /* a key at a time, its block's halves summed by the same tree */
+                for (int j = 0; j < 16; j++) {
+                    vn a[HALVES];
+                    for (int hv = 0; hv < HALVES; hv++)
+                        a[hv] = loadn(qv + hv * LANES) * loadn(keys[j] + hv * LANES);
+                    for (int64_t c = 1; c < vecs; c++)
+                        for (int hv = 0; hv < HALVES; hv++)
+                            a[hv] += loadn(qv + 16 * c + hv * LANES) *
+                                     loadn(keys[j] + 16 * c + hv * LANES);
+                    s[j] = hsum_block(a) * p->scale;
+                }
+#endif
                 for (int64_t j = 0; j < 16; j++) {
                     int64_t key = k0 + j;
                     if (key >= n || (seen ? !seen[key] : j0 + key > pos)) s[j] = -INFINITY;
@@ -416,28 +482,30 @@ static void attend_chunk(const Paged *p, const Item *it, float *scores) {
     /* each row's max and exponentials */
     for (int64_t r = 0; r < nrows; r++) {
         float *s = scores + r * CHUNK, *part = it->part + r * (dim + 2);
-        v16 top = splat(-INFINITY), sum = splat(0.0f);
-        for (int64_t k0 = 0; k0 < blocks * 16; k0 += 16) top = max16(top, load16(s + k0));
-        part[0] = hmax16(top);
+        float top = -INFINITY;
+        for (int64_t j = 0; j < blocks * 16; j++) top = s[j] > top ? s[j] : top;
+        part[0] = top;
         memset(part + 1, 0, (dim + 1) * sizeof(float));
-        if (part[0] == -INFINITY) continue; /* nothing seen in this chunk */
-        for (int64_t k0 = 0; k0 < blocks * 16; k0 += 16) {
-            v16 e = exp16(load16(s + k0) - part[0]);
-            store16(s + k0, e);
-            sum += e;
-        }
-        part[1] = hsum16(sum);
+        if (top == -INFINITY) continue; /* nothing seen in this chunk */
+        vn sum[HALVES] = {0};
+        for (int64_t k0 = 0; k0 < blocks * 16; k0 += 16)
+            for (int hv = 0; hv < HALVES; hv++) {
+                vn e = expn(loadn(s + k0 + hv * LANES) - top);
+                storen(s + k0 + hv * LANES, e);
+                sum[hv] += e;
+            }
+        part[1] = hsum_block(sum);
     }
     /* each row's exponential-weighted values, in key order */
     for (int64_t r = 0; r < nrows; r++) {
         float *part = it->part + r * (dim + 2);
         const float *w = scores + r * CHUNK;
         if (part[0] == -INFINITY) continue;
-        for (int64_t c = 0; c < vecs; c++) {
-            v16 o = splat(0.0f);
+        for (int64_t c = 0; c < vecs * HALVES; c++) {
+            vn o = splatn(0.0f);
             for (int64_t j = 0; j < n; j++)
-                o += w[j] * load16(p->store + (rows[j] + p->page_size) * row + h * dim + 16 * c);
-            store16(part + 2 + 16 * c, o);
+                o += w[j] * loadn(p->store + (rows[j] + p->page_size) * row + h * dim + LANES * c);
+            storen(part + 2 + LANES * c, o);
         }
     }
 }
@@ -514,11 +582,11 @@ static int paged_attend(const Paged *pp, int threads) {
                     if (part[0] == -INFINITY) continue;
                     float w = exp1(part[0] - top);
                     sum += w * part[1];
-                    for (int64_t d = 0; d < dim; d += 16)
-                        store16(o + d, load16(o + d) + w * load16(part + 2 + d));
+                    for (int64_t d = 0; d < dim; d += LANES)
+                        storen(o + d, loadn(o + d) + w * loadn(part + 2 + d));
                 }
                 float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-                for (int64_t d = 0; d < dim; d += 16) store16(o + d, load16(o + d) * inv);
+                for (int64_t d = 0; d < dim; d += LANES) storen(o + d, loadn(o + d) * inv);
             }
         }
     }
