@@ -192,6 +192,11 @@ static inline vn int8_weights(const int8_t *q) {
     __m512 f = _mm512_cvtepi32_ps(wide);
     memcpy(&w, &f, sizeof w);
     return w;
+#elif defined(__AVX2__)
+    __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+    vn w;
+    memcpy(&w, &f, sizeof w);
+    return w;
 #else
     i8n b;
     memcpy(&b, q, sizeof b);
