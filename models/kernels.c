@@ -413,6 +413,7 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t n
  * keys, not on the thread count or on the other rows. */
 
 #define CHUNK 128 /* keys an item: small enough that a 512-token decode keeps 2 threads busy */
+#define VALUE_FLOATS 64 /* a row's weighted values: accumulators a pass over the keys */
 
 typedef struct {
     float *out;             /* [T, hq, dim] */
@@ -506,11 +507,19 @@ static void attend_chunk(const Paged *p, const Item *it, float *scores) {
         float *part = it->part + r * (dim + 2);
         const float *w = scores + r * CHUNK;
         if (part[0] == -INFINITY) continue;
-        for (int64_t c = 0; c < vecs * HALVES; c++) {
-            vn o = splatn(0.0f);
-            for (int64_t j = 0; j < n; j++)
-                o += w[j] * loadn(p->store + (rows[j] + p->page_size) * row + h * dim + LANES * c);
-            storen(part + 2 + LANES * c, o);
+        /* 64 floats of the row at a time, a key at a time: independent accumulators, each
+         * summing over the keys in order (a chain of one accumulator is latency-bound) */
+        for (int64_t d0 = 0; d0 < dim; d0 += VALUE_FLOATS) {
+            int64_t nv = (dim - d0 < VALUE_FLOATS ? dim - d0 : VALUE_FLOATS) / LANES;
+            vn o[VALUE_FLOATS / LANES] = {0};
+            for (int64_t j = 0; j < n; j++) {
+                const float *v = p->store + (rows[j] + p->page_size) * row + h * dim + d0;
+                if (nv == VALUE_FLOATS / LANES)
+                    for (int c = 0; c < VALUE_FLOATS / LANES; c++) o[c] += w[j] * loadn(v + LANES * c);
+                else
+                    for (int c = 0; c < nv; c++) o[c] += w[j] * loadn(v + LANES * c);
+            }
+            for (int c = 0; c < nv; c++) storen(part + 2 + d0 + LANES * c, o[c]);
         }
     }
 }

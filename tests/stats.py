@@ -37,12 +37,19 @@ PARAMS = dict(temperature=1.0, top_p=0.9, max_tokens=TOKENS, ignore_eos=True)
 
 def exact_joint(target_dir) -> dict[tuple[int, ...], float]:
     """P(t1..t4) under the processed target distribution, by enumeration."""
-    model = load_model(target_dir)
-    st = SamplingTensors.build([SamplingParams(**PARAMS)], [0], "cpu")
+    return enumerate_law(load_model(target_dir), PROMPT, SamplingParams(**PARAMS), TOKENS)
+
+
+def enumerate_law(
+    model, prompt: list[int], params: SamplingParams, tokens: int
+) -> dict[tuple[int, ...], float]:
+    """P(t1..t_tokens) of a continuation of `prompt` under `model`'s distribution processed
+    by `params`, for every continuation of non-zero probability."""
+    st = SamplingTensors.build([params], [0], "cpu")
     joint = {(): 1.0}
-    for _length in range(TOKENS):
+    for _length in range(tokens):
         prefixes = list(joint)
-        ids = torch.tensor([PROMPT + list(p) for p in prefixes])
+        ids = torch.tensor([prompt + list(p) for p in prefixes])
         b, s = ids.shape
         with torch.no_grad():
             hidden, _ = model(ids.flatten(), torch.arange(s).repeat(b), CausalAttention(b, s))
@@ -51,7 +58,7 @@ def exact_joint(target_dir) -> dict[tuple[int, ...], float]:
         joint = {
             p + (t,): joint[p] * probs[i, t].item()
             for i, p in enumerate(prefixes)
-            for t in range(VOCAB)
+            for t in probs[i].nonzero()[:, 0].tolist()
         }
     return joint
 
@@ -64,8 +71,10 @@ def _rows(st: SamplingTensors, b: int) -> SamplingTensors:
 
 
 def chi_square_p_value(observed: dict, expected: dict, n: int) -> float:
-    """Pearson's test, outcomes with expected count below 5 pooled into one bin."""
-    stat, pooled_o, pooled_e, bins = 0.0, 0, 0.0, 0
+    """Pearson's test, outcomes with expected count below 5 pooled into one bin (with
+    every observed outcome `expected` does not list: probability 0)."""
+    stat, pooled_e, bins = 0.0, 0.0, 0
+    pooled_o = sum(o for outcome, o in observed.items() if outcome not in expected)
     for outcome, p in expected.items():
         e, o = p * n, observed.get(outcome, 0)
         if e < 5:
@@ -82,17 +91,19 @@ def chi_square_p_value(observed: dict, expected: dict, n: int) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-def shifted_law(expected: dict, fraction: float) -> dict:
+def shifted_law(expected: dict, fraction: float, vocab: int = VOCAB) -> dict:
     """`expected` with `fraction` of the probability moved from the likeliest first token's
-    outcomes to the next token's (the alternative a law test must be able to reject)."""
-    first = max(range(VOCAB), key=lambda t: sum(p for k, p in expected.items() if k[0] == t))
-    mass = sum(p for k, p in expected.items() if k[0] == first)
+    outcomes to the next token id's (the alternative a law test must be able to reject)."""
+    masses: dict[int, float] = {}
+    for k, p in expected.items():
+        masses[k[0]] = masses.get(k[0], 0.0) + p
+    first = max(masses, key=masses.__getitem__)
     shifted = dict(expected)
     for k, p in expected.items():
         if k[0] == first:
-            moved = ((first + 1) % VOCAB, *k[1:])
-            shifted[k] -= p * fraction / mass
-            shifted[moved] = shifted.get(moved, 0) + p * fraction / mass
+            moved = ((first + 1) % vocab, *k[1:])
+            shifted[k] -= p * fraction / masses[first]
+            shifted[moved] = shifted.get(moved, 0) + p * fraction / masses[first]
     return shifted
 
 
