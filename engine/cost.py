@@ -54,15 +54,23 @@ class Curve:
         return max(0.0, y0 + (y1 - y0) * (n - x0) / (x1 - x0))
 
 
+# Past this many tokens a forward is bound by its arithmetic and grows linearly: the curves
+# measure the largest size alone there, once (the two largest forwards were most of a
+# 9 s calibration of SmolLM2 at 320 tokens; a server should be healthy within seconds)
+LINEAR_FROM = 64
+
+
 def measure_curve(forward: Callable[[int], object], sizes: list[int], repeats: int = 3) -> Curve:
     """The fastest of `repeats` timings of `forward(n)` for each n in sizes (after a warm-up
-    call), made non-decreasing: more tokens never cost less, and a machine busy with other
-    work only ever adds time."""
+    call; one timing and no warm-up past LINEAR_FROM), made non-decreasing: more tokens never
+    cost less, and a machine busy with other work only ever adds time."""
     seconds: list[float] = []
     for n in sizes:
-        forward(n)
+        small = n <= LINEAR_FROM
+        if small:
+            forward(n)
         times = []
-        for _ in range(repeats):
+        for _ in range(repeats if small else 1):
             start = time.perf_counter()
             forward(n)
             times.append(time.perf_counter() - start)
@@ -71,9 +79,10 @@ def measure_curve(forward: Callable[[int], object], sizes: list[int], repeats: i
 
 
 def calibration_sizes(limit: int) -> list[int]:
-    """Powers of two up to `limit` (and `limit` itself): where the curves are measured."""
+    """Where the curves are measured: powers of two up to `limit` and to LINEAR_FROM, and
+    `limit` itself."""
     sizes = [1]
-    while sizes[-1] * 2 < limit:
+    while sizes[-1] * 2 < limit and sizes[-1] < LINEAR_FROM:
         sizes.append(sizes[-1] * 2)
     return sizes + [limit] if limit > 1 else sizes
 

@@ -35,6 +35,7 @@ def test_calibration_sizes():
     assert calibration_sizes(1) == [1]
     assert calibration_sizes(8) == [1, 2, 4, 8]
     assert calibration_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert calibration_sizes(320) == [1, 2, 4, 8, 16, 32, 64, 320]  # linear past 64
 
 
 def test_expected_tokens():
