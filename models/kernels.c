@@ -10,9 +10,9 @@
  * dtypes and contiguity; nothing here allocates Python objects or touches torch. Loops are
  * written on the machine's own vectors over 16-float blocks (or as `omp simd` loops without
  * reductions); every reduction runs in a fixed order, the same on every vector width, so a
- * row's result depends only on that row. The threads of the
- * attention and the products are an OpenMP team: the process's libgomp is torch's (the same
- * soname, loaded first), so they are the threads torch's own operations use.
+ * row's result depends only on that row. The threads of the attention and the products are
+ * an OpenMP team: the process's libgomp is torch's (the same soname, loaded first), so they
+ * are the threads torch's own operations use.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -142,6 +142,25 @@ static inline float hsum_block(const vn *a) {
     return x[0];
 #endif
 }
+
+#if LANES == 8
+/* lane j of the result: x[j]'s lanes summed by hsum_block's folds by 4, 2 and 1, all 8 at
+ * once (a transposing tree; the lanes come out as 0 2 1 3 4 6 5 7, put back in order) */
+static inline vn sum8x8(const vn x[8]) {
+    const in_ lo1 = {0, 1, 2, 3, 8, 9, 10, 11}, hi1 = {4, 5, 6, 7, 12, 13, 14, 15};
+    const in_ lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const in_ lo3 = {0, 2, 4, 6, 8, 10, 12, 14}, hi3 = {1, 3, 5, 7, 9, 11, 13, 15};
+    vn y[4], z[2];
+    for (int i = 0; i < 4; i++)
+        y[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo1) +
+               __builtin_shuffle(x[2 * i], x[2 * i + 1], hi1);
+    for (int i = 0; i < 2; i++)
+        z[i] = __builtin_shuffle(y[2 * i], y[2 * i + 1], lo2) +
+               __builtin_shuffle(y[2 * i], y[2 * i + 1], hi2);
+    vn f = __builtin_shuffle(z[0], z[1], lo3) + __builtin_shuffle(z[0], z[1], hi3);
+    return __builtin_shuffle(f, (in_){0, 2, 1, 3, 4, 6, 5, 7});
+}
+#endif
 
 /* exp(x) lane by lane: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial
  * (relative error below 2e-7), 2^n put into the exponent bits; 0 at and below -87 (-inf
@@ -466,16 +485,19 @@ static void attend_chunk(const Paged *p, const Item *it, float *scores) {
                     acc[j] = a;
                 }
                 store16(s, sum16x16(acc) * p->scale);
-#else /* a key at a time, its block's halves summed by the same tree */
-                for (int j = 0; j < 16; j++) {
-                    vn a[HALVES];
-                    for (int hv = 0; hv < HALVES; hv++)
-                        a[hv] = loadn(qv + hv * LANES) * loadn(keys[j] + hv * LANES);
-                    for (int64_t c = 1; c < vecs; c++)
-                        for (int hv = 0; hv < HALVES; hv++)
-                            a[hv] += loadn(qv + 16 * c + hv * LANES) *
-                                     loadn(keys[j] + 16 * c + hv * LANES);
-                    s[j] = hsum_block(a) * p->scale;
+#else /* 8 keys at a time: each key's two halves added, then the same tree (sum8x8) */
+                for (int j0 = 0; j0 < 16; j0 += 8) {
+                    vn halves[8];
+                    for (int j = 0; j < 8; j++) {
+                        const float *kv = keys[j0 + j];
+                        vn lo = loadn(qv) * loadn(kv), hi = loadn(qv + 8) * loadn(kv + 8);
+                        for (int64_t c = 1; c < vecs; c++) {
+                            lo += loadn(qv + 16 * c) * loadn(kv + 16 * c);
+                            hi += loadn(qv + 16 * c + 8) * loadn(kv + 16 * c + 8);
+                        }
+                        halves[j] = lo + hi;
+                    }
+                    storen(s + j0, sum8x8(halves) * p->scale);
                 }
 #endif
                 for (int64_t j = 0; j < 16; j++) {
