@@ -112,7 +112,7 @@ static inline v16 sum16x16(const v16 acc[16]) {
 #define HALVES (16 / LANES) /* native vectors a 16-float block */
 
 typedef float vn __attribute__((vector_size(LANES * 4)));
-typedef int32_t in_ __attribute__((vector_size(LANES * 4)));
+typedef int32_t ivn __attribute__((vector_size(LANES * 4)));
 typedef int8_t i8n __attribute__((vector_size(LANES)));
 
 static inline vn loadn(const float *x) {
@@ -125,8 +125,8 @@ static inline void storen(float *x, vn v) { memcpy(x, &v, sizeof v); }
 
 static inline vn splatn(float x) { return (vn){0} + x; }
 
-static inline vn selectn(in_ take_a, vn a, vn b) { /* take_a lanes are all ones or zero */
-    return (vn)(((in_)a & take_a) | ((in_)b & ~take_a));
+static inline vn selectn(ivn take_a, vn a, vn b) { /* take_a lanes are all ones or zero */
+    return (vn)(((ivn)a & take_a) | ((ivn)b & ~take_a));
 }
 
 /* the 16 floats of a block's halves summed by hsum16's tree: lane l + lane l + 8, then the
@@ -136,9 +136,9 @@ static inline float hsum_block(const vn *a) {
     return hsum16(a[0]);
 #else
     vn x = a[0] + a[1];
-    x += __builtin_shuffle(x, (in_){4, 5, 6, 7, 0, 1, 2, 3});
-    x += __builtin_shuffle(x, (in_){2, 3, 0, 1, 6, 7, 4, 5});
-    x += __builtin_shuffle(x, (in_){1, 0, 3, 2, 5, 4, 7, 6});
+    x += __builtin_shuffle(x, (ivn){4, 5, 6, 7, 0, 1, 2, 3});
+    x += __builtin_shuffle(x, (ivn){2, 3, 0, 1, 6, 7, 4, 5});
+    x += __builtin_shuffle(x, (ivn){1, 0, 3, 2, 5, 4, 7, 6});
     return x[0];
 #endif
 }
@@ -147,9 +147,9 @@ static inline float hsum_block(const vn *a) {
 /* lane j of the result: x[j]'s lanes summed by hsum_block's folds by 4, 2 and 1, all 8 at
  * once (a transposing tree; the lanes come out as 0 2 1 3 4 6 5 7, put back in order) */
 static inline vn sum8x8(const vn x[8]) {
-    const in_ lo1 = {0, 1, 2, 3, 8, 9, 10, 11}, hi1 = {4, 5, 6, 7, 12, 13, 14, 15};
-    const in_ lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
-    const in_ lo3 = {0, 2, 4, 6, 8, 10, 12, 14}, hi3 = {1, 3, 5, 7, 9, 11, 13, 15};
+    const ivn lo1 = {0, 1, 2, 3, 8, 9, 10, 11}, hi1 = {4, 5, 6, 7, 12, 13, 14, 15};
+    const ivn lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const ivn lo3 = {0, 2, 4, 6, 8, 10, 12, 14}, hi3 = {1, 3, 5, 7, 9, 11, 13, 15};
     vn y[4], z[2];
     for (int i = 0; i < 4; i++)
         y[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo1) +
@@ -158,7 +158,7 @@ static inline vn sum8x8(const vn x[8]) {
         z[i] = __builtin_shuffle(y[2 * i], y[2 * i + 1], lo2) +
                __builtin_shuffle(y[2 * i], y[2 * i + 1], hi2);
     vn f = __builtin_shuffle(z[0], z[1], lo3) + __builtin_shuffle(z[0], z[1], hi3);
-    return __builtin_shuffle(f, (in_){0, 2, 1, 3, 4, 6, 5, 7});
+    return __builtin_shuffle(f, (ivn){0, 2, 1, 3, 4, 6, 5, 7});
 }
 #endif
 
@@ -166,14 +166,14 @@ static inline vn sum8x8(const vn x[8]) {
  * (relative error below 2e-7), 2^n put into the exponent bits; 0 at and below -87 (-inf
  * included), x capped at 88 (exp(88) = 1.7e38, float32's largest power of e) */
 static inline vn expn(vn x) {
-    in_ tiny = x <= splatn(-87.0f);
+    ivn tiny = x <= splatn(-87.0f);
     x = selectn(tiny, splatn(-87.0f), x);
     x = selectn(x > splatn(88.0f), splatn(88.0f), x);
     vn n = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 */
     vn r = x - n * 0.693145752f - n * 1.42860677e-6f;
     vn poly = 1.0f + r * (1.0f + r * (0.5f + r * (1.66666667e-1f + r * (4.16666667e-2f +
               r * (8.33333333e-3f + r * 1.38888889e-3f)))));
-    in_ bits = (__builtin_convertvector(n, in_) + 127) << 23;
+    ivn bits = (__builtin_convertvector(n, ivn) + 127) << 23;
     return selectn(tiny, splatn(0.0f), poly * (vn)bits);
 }
 
@@ -219,7 +219,7 @@ static inline vn int8_weights(const int8_t *q) {
 #else
     i8n b;
     memcpy(&b, q, sizeof b);
-    return __builtin_convertvector(__builtin_convertvector(b, in_), vn);
+    return __builtin_convertvector(__builtin_convertvector(b, ivn), vn);
 #endif
 }
 
