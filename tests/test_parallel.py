@@ -331,6 +331,17 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def wait_healthy(port: int, seconds: float) -> None:
+    """Until the server on `port` answers /health."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"no healthy server on port {port} within {seconds:g} s")
+
+
 @pytest.mark.timeout(120)
 def test_the_server_exits_naming_a_killed_rank(tmp_path):
     port = free_port()
@@ -340,12 +351,7 @@ def test_the_server_exits_naming_a_killed_rank(tmp_path):
         cwd=ROOT, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                    break
-            time.sleep(0.2)
+        wait_healthy(port, 60)
         [worker] = children(server.pid)
         os.kill(worker, signal.SIGKILL)
         killed = time.monotonic()
@@ -400,12 +406,7 @@ async def test_torchrun_ranks_serve_one_process_output_and_end_on_a_killed_rank(
     )  # fmt: skip
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"{base}/health", timeout=1):
-                    break
-            time.sleep(0.2)
+        wait_healthy(port, 90)
         body = {"prompt": prompt, "max_tokens": GREEDY.max_tokens, "temperature": 0,
                 "ignore_eos": True}  # fmt: skip
         post = urllib.request.Request(
