@@ -28,9 +28,10 @@ class Tokenizer(Protocol):
     def max_token_chars(self) -> int: ...  # a text of n characters has >= n / this tokens
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
-    ) -> str: ...
+    def token_bytes(self, token_id: int) -> bytes: ...
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
+    @property
+    def chat_template(self) -> str | None: ...
 
 
 class Metrics(Protocol):
@@ -129,11 +130,30 @@ def _text_part(p: Any) -> bool:
     return type(p) is dict and p.get("type") == "text" and _str(p.get("text"))
 
 
+def _content(v: Any) -> bool:
+    return _str(v) or (type(v) is list and all(_text_part(p) for p in v))
+
+
+def _tool_call(c: Any) -> bool:
+    function = c.get("function") if type(c) is dict else None
+    return (
+        type(function) is dict
+        and c.get("type", "function") == "function"
+        and _str(function.get("name"))
+        and _str(function.get("arguments"))
+    )
+
+
 def _message(m: Any) -> bool:
-    roles = ("system", "user", "assistant")
-    content = m.get("content") if type(m) is dict else None
-    parts = type(content) is list and all(_text_part(p) for p in content)
-    return type(m) is dict and m.get("role") in roles and (_str(content) or parts)
+    if type(m) is not dict or m.get("role") not in ROLES:
+        return False
+    calls = m.get("tool_calls")
+    if calls is not None:  # an assistant's calls; its content may then be null
+        calls_ok = m["role"] == "assistant" and type(calls) is list and all(map(_tool_call, calls))
+        return calls_ok and (m.get("content") is None or _content(m["content"]))
+    if m["role"] == "tool" and not _str(m.get("tool_call_id")):
+        return False
+    return _content(m.get("content"))
 
 
 def _messages(v: Any) -> bool:
@@ -166,6 +186,8 @@ def _text_format(v: Any) -> bool:
     return type(v) is dict and v.get("type") == "text" and len(v) == 1
 
 
+# "developer" is the newer name of "system"; tool messages and calls need a template for them
+ROLES = ("system", "developer", "user", "assistant", "tool")
 NONE = lambda v: False  # noqa: E731 - only null (absent) passes
 INT32 = INT32_MAX
 MAX_STOP_CHARS = 256  # a stop string is matched against each new token's text
@@ -214,7 +236,9 @@ COMPLETION_FIELDS = COMMON_FIELDS | {
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages": (
         _messages,
-        "a non-empty list of {role, content}, content a string or a list of text parts",
+        "a non-empty list of {role, content}: role one of "
+        + ", ".join(ROLES)
+        + ", content a string or a list of text parts (a tool message with its tool_call_id)",
     ),
     "logprobs": (_bool, "a boolean"),
     "top_logprobs": (_in(0, 20), "an integer in 0..20"),
@@ -307,6 +331,19 @@ def check_context(prompt_len: int, max_tokens: int, max_model_len: int) -> None:
         )
 
 
+def rest_of_context(prompt_len: int, max_model_len: int) -> int:
+    """What a chat that sets no limit may generate: the rest of the context (as in OpenAI's
+    API)."""
+    if prompt_len >= max_model_len:
+        raise ApiError(
+            400,
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{prompt_len}, which leaves no room for an answer",
+            code="context_length_exceeded",
+        )
+    return max_model_len - prompt_len
+
+
 # Normalisers can shorten a text before it is split (NFKC composes characters), so the bound
 # on a text's tokens is taken with this margin.
 TEXT_BOUND_MARGIN = 4
@@ -342,18 +379,47 @@ def completion_prompt(value: str | list[Any], engine: Engine) -> list[int]:
 
 
 def chat_prompt(messages: list[dict[str, Any]], engine: Engine) -> list[int]:
-    """The conversation's ids through the model's chat template (text parts joined)."""
-    flat = [m | {"content": _content_text(m["content"])} for m in messages]
+    """The conversation's ids through the model's chat template (tokenizer.encode_chat)."""
+    flat = [_template_message(m) for m in messages]
     check_text_length(sum(len(m["content"]) for m in flat), engine)
+    tools = [m["role"] for m in flat if m["role"] == "tool" or "tool_calls" in m]
+    template = engine.tokenizer.chat_template or ""
+    if tools and "tool" not in template:
+        what = "tool messages" if "tool" in tools else "an assistant's tool_calls"
+        raise ApiError(
+            400,
+            f"the model's chat template has no form for {what} (it never mentions tools)",
+            param="messages",
+        )
     try:
-        text = engine.tokenizer.apply_chat_template(flat, add_generation_prompt=True)
+        return engine.tokenizer.encode_chat(flat)
     except ValueError as e:  # no template, or the template refused the conversation
         raise ApiError(400, str(e)) from e
-    # the template writes the BOS itself
-    return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
-def _content_text(content: str | list[JSON]) -> str:
+def _template_message(message: JSON) -> JSON:
+    """A checked message in the form chat templates read: text parts joined, "developer" as
+    "system", a call's JSON arguments as the object they spell (templates write them with
+    tojson)."""
+    role = "system" if message["role"] == "developer" else message["role"]
+    flat = message | {"role": role, "content": _content_text(message.get("content"))}
+    if "tool_calls" in message:
+        flat["tool_calls"] = [_template_call(c) for c in message["tool_calls"]]
+    return flat
+
+
+def _template_call(call: JSON) -> JSON:
+    function = call["function"]
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        arguments = function["arguments"]
+    return call | {"type": "function", "function": function | {"arguments": arguments}}
+
+
+def _content_text(content: str | list[JSON] | None) -> str:
+    if content is None:
+        return ""
     return content if isinstance(content, str) else "".join(p["text"] for p in content)
 
 
@@ -553,8 +619,8 @@ class ChatReply(Reply):
     object_chunk = "chat.completion.chunk"
 
     def logprob_entry(self, token_id: int, logprob: float) -> JSON:
-        token = self.token_text(token_id)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+        token_bytes = list(self.tokenizer.token_bytes(token_id))  # a character's piece, maybe
+        return {"token": self.token_text(token_id), "logprob": logprob, "bytes": token_bytes}
 
     def logprobs_body(self, lps: list[TokenLogprob]) -> JSON | None:
         """OpenAI's chat form: per token its entry and its top alternatives."""

@@ -37,6 +37,7 @@ from api import (
     check_model,
     completion_prompt,
     make_job,
+    rest_of_context,
     sampling_params,
     validate,
 )
@@ -288,10 +289,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if "top_logprobs" in fields and not fields.get("logprobs"):
         raise ApiError(400, "'top_logprobs' needs 'logprobs' set to true")
     prompt_ids = await off_loop(chat_prompt, fields["messages"], engine)
-    # as in OpenAI's API, a chat without a limit may use the rest of the context
-    rest = max(engine.max_model_len - len(prompt_ids), 1)
-    limit = fields.get("max_completion_tokens", fields.get("max_tokens"))
-    max_tokens = rest if limit is None else limit
+    max_tokens = fields.get("max_completion_tokens", fields.get("max_tokens"))
+    if max_tokens is None:
+        max_tokens = rest_of_context(len(prompt_ids), engine.max_model_len)
     logprobs = fields.get("top_logprobs", 0) if fields.get("logprobs") else None
     params = sampling_params(fields, max_tokens, logprobs, engine)
     job = make_job("chatcmpl", prompt_ids, params, fields, engine)
@@ -616,7 +616,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             engine = AsyncEngine(config)
     except (OSError, ValueError, RuntimeError) as e:
-        print(f"server.py: error: cannot load the model: {e}", file=sys.stderr)
+        print(f"server.py: error: cannot start the engine: {e}", file=sys.stderr)
         return 1
     try:
         return uvloop.run(serve(engine, options))

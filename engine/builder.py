@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform
 from collections.abc import Callable
@@ -42,6 +43,8 @@ from stages.mtp_drafter import MTPDrafter
 from stages.refill import RefillStage
 from stages.sample import SampleStage
 from stages.verify import Verifier
+
+log = logging.getLogger("tandem.engine")
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "models" / "demo"
 SMOLLM2 = "smollm2"  # EngineConfig.model naming SmolLM2-135M-Instruct's registry package
@@ -140,9 +143,10 @@ class Builder:
         model_dir = model_path(config.model)
         model = load_model(model_dir, self.dtype, self.device, cache_dir(), self.shard)
         self.prepare(model)
-        max_model_len = config.max_model_len or model.config.max_position_embeddings
         k = spec.num_draft_tokens if spec.enabled else 0
+        lookahead = k + 1 + spec.one_token_mode  # one-token mode: a step the host has not seen
         num_pages = config.kv.num_pages or self._pages_for(model, config.kv.memory_bytes)
+        max_model_len = self._max_model_len(model, num_pages, lookahead)
         allocator = PageAllocator(num_pages)
         cache = self.cache_for(model, num_pages)
         history = TokenHistory(config.max_running, max_model_len + 2 * k + 4, self.device)
@@ -160,7 +164,7 @@ class Builder:
             config.kv.page_size,
             config.max_running,
             config.max_batch_tokens,
-            k + 1 + spec.one_token_mode,  # one-token mode: a step the host has not seen yet
+            lookahead,
             max_model_len,
         )
         cost = None
@@ -219,6 +223,27 @@ class Builder:
         }
         digest = hashlib.blake2b(json.dumps(key).encode(), digest_size=8).hexdigest()
         return cache_dir() / f"calibration-{digest}.json"
+
+    def _max_model_len(self, model: LlamaModel, num_pages: int, lookahead: int) -> int:
+        """The context asked for (or the model's), lowered to what the KV pool holds: one
+        sequence of max_model_len tokens must fit, with the slots a decode step writes ahead
+        (Scheduler.slots_needed)."""
+        asked = self.config.max_model_len or model.config.max_position_embeddings
+        fits = num_pages * self.config.kv.page_size - lookahead - 1
+        if fits < 2:  # a one-token prompt and its answer
+            raise ValueError(
+                f"the KV pool of {num_pages} pages holds no request (a decode step writes "
+                f"{lookahead} slots ahead): raise --num-pages or --page-size"
+            )
+        if fits < asked:
+            log.warning(
+                "max_model_len lowered from %d to %d tokens: what the KV pool of %d pages "
+                "holds (raise --num-pages for more)",
+                asked,
+                fits,
+                num_pages,
+            )
+        return min(asked, fits)
 
     def _pages_for(self, model: LlamaModel, memory_bytes: int) -> int:
         cfg = model.config

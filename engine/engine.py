@@ -141,12 +141,7 @@ class AsyncEngine:
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                 f"context length of {self.max_model_len} tokens"
             )
-        slots = self.scheduler.slots_needed(len(ids) + params.max_tokens)
-        if -(-slots // self.config.kv.page_size) > self.allocator.num_pages:
-            raise InvalidRequest(
-                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) needs more KV "
-                f"pages than the engine has ({self.allocator.num_pages})"
-            )
+        # within max_model_len a request fits the KV pool alone (the builder makes it so)
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise Overloaded(f"{len(self.scheduler.waiting)} requests are already waiting")
         request_id = request_id or f"req-{next(self._ids)}"
@@ -199,13 +194,17 @@ class AsyncEngine:
     async def _plan_loop(self, outbox: asyncio.Queue[StepRun]) -> None:
         # Plain decoding and MTP's one-token mode may run one step ahead of the host (the
         # insert kernel settles the lengths on the device); other speculation needs them.
-        lag = 2 if self.config.pipelined and (not self.k or self.no_sync) else 1
+        # After a prefill step the next waits for it: a prompt's chunks then never queue up
+        # behind each other, and an abort frees the pages at the end of the running chunk.
+        ahead = 2 if self.config.pipelined and (not self.k or self.no_sync) else 1
+        lag = ahead
         for step in itertools.count():
             while self._published < step - lag:
                 self._publishes.clear()
                 await self._publishes.wait()
             while (planned := self._plan(step)) is None:
                 await self._idle()
+            lag = 1 if planned[0].kind == StepKind.PREFILL else ahead
             outbox.put_nowait(await self.executor.run_step(*planned))
 
     async def _publish_loop(self, inbox: asyncio.Queue[StepRun]) -> None:

@@ -10,7 +10,10 @@ class OutputStream:
     """One request's output: finish checks, incremental text and stop strings.
 
     Stop strings are never streamed, even when split across tokens: text that could be the
-    start of a stop string is held back until the next tokens decide it.
+    start of a stop string is held back until the next tokens decide it. The output ends with
+    the token that finishes it (eos, a stop token, the limit, or the token whose text completes
+    a stop string): tokens a speculative step emitted past it are dropped, so that the tokens
+    and the usage a request reports do not depend on how many tokens its steps emitted.
     """
 
     def __init__(self, request: Request, tokenizer: Tokenizer, max_model_len: int):
@@ -24,22 +27,31 @@ class OutputStream:
         self.last_token_time: float | None = None  # for inter-token latency
 
     def add(self, tokens: list[int], logprobs: list[TokenLogprob] | None) -> Delta:
-        """Append emitted tokens (stopping at the first finish) and return the delta."""
-        request, kept = self.request, []
-        for token in tokens:
-            request.output_ids.append(token)
-            kept.append(token)
-            reason = self._finish_reason(token)
-            if reason is not None:
-                request.finish_reason = reason
+        """Append emitted tokens (up to the one that finishes the output) and return the delta."""
+        request, kept, text = self.request, [], ""
+        # with stop strings each token's text decides whether the next one is kept
+        step = 1 if self.params.stop else max(len(tokens), 1)
+        for start in range(0, len(tokens), step):
+            run = self._append(tokens[start : start + step])
+            kept += run
+            text += self._text(run)
+            if request.finish_reason is not None:
                 break
         self.usage.completion_tokens = len(request.output_ids)
-        text = self._text(kept)
         delta = Delta(request.request_id, kept, text, logprobs[: len(kept)] if logprobs else None)
         if request.finish_reason is not None:
             delta.finish_reason = request.finish_reason
             delta.usage = self.usage
         return delta
+
+    def _append(self, tokens: list[int]) -> list[int]:
+        """Append tokens to the output up to the first that finishes it; those appended."""
+        for n, token in enumerate(tokens, 1):
+            self.request.output_ids.append(token)
+            self.request.finish_reason = self._finish_reason(token)
+            if self.request.finish_reason is not None:
+                return tokens[:n]
+        return tokens
 
     def _finish_reason(self, token: int) -> FinishReason | None:
         params, request = self.params, self.request

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import codecs
 import functools
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
@@ -25,9 +27,13 @@ MAX_HELD_TOKENS = 4
 class Tokenizer:
     """A Hugging Face tokenizer directory: tokenizer.json, and tokenizer_config.json if present.
 
-    `encode(text)` adds the special tokens tokenizer.json's post-processor adds; when
-    tokenizer_config.json sets `add_bos_token`, the BOS is then added (true) or removed
-    (false) at the start so that the flag wins.
+    What the user wrote is never changed. `encode(text)` parses special-token spellings (a
+    raw prompt may spell out a chat format) and puts the model's BOS first where its metadata
+    asks for one (`add_bos_token`, else tokenizer.json's post-processor) and the text does not
+    already begin with it; nothing else is added or removed. `encode_chat(messages)` renders
+    the chat template and parses the special tokens the template writes, while a message's
+    content is text: a special-token spelling inside it is tokenized as the characters it is
+    (so that no user can end a turn or open another role by typing its marker).
     """
 
     def __init__(self, directory: str | Path):
@@ -45,6 +51,38 @@ class Tokenizer:
         self.eos_token: str | None = _token_text(config.get("eos_token"))
         self.add_bos_token: bool | None = config.get("add_bos_token")
         self.chat_template: str | None = _chat_template(root, config)
+
+    @functools.cached_property
+    def adds_bos(self) -> bool:
+        """Whether a prompt starts with the BOS: tokenizer_config.json's add_bos_token, else
+        what tokenizer.json's post-processor does."""
+        if self.bos_token_id is None:
+            return False
+        if self.add_bos_token is not None:
+            return self.add_bos_token
+        return self.tokenizer.encode("", add_special_tokens=True).ids[:1] == [self.bos_token_id]
+
+    @functools.cached_property
+    def specials(self) -> dict[str, int]:
+        """Special tokens by spelling (added tokens flagged special: control markers)."""
+        added = self.tokenizer.get_added_tokens_decoder()
+        return {token.content: i for i, token in added.items() if token.special}
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(self.specials.values())
+
+    @functools.cached_property
+    def _literal(self) -> tokenizers.Tokenizer:
+        """The same tokenizer with special-token spellings read as plain text."""
+        literal = tokenizers.Tokenizer.from_str(self.tokenizer.to_str())
+        literal.encode_special_tokens = True
+        return literal
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """Whether tokens spell bytes through GPT-2's byte-to-character table."""
+        return '"ByteLevel"' in json.dumps(json.loads(self.tokenizer.to_str()).get("decoder"))
 
     @property
     def vocab_size(self) -> int:
@@ -70,21 +108,47 @@ class Tokenizer:
         return None if token is None else self.tokenizer.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        # encode_batch lets go of the GIL while it works (encode holds it, seconds for a
-        # megabyte), so that a server tokenizing on a worker thread keeps its loop running
-        ids = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        """The text's ids, special-token spellings parsed; with `add_special_tokens`, the
+        model's BOS first where it asks for one and the text does not begin with it."""
+        ids = _encode(self.tokenizer, text)
         bos = self.bos_token_id
-        if not add_special_tokens or bos is None or self.add_bos_token is None:
-            return ids
-        starts_with_bos = bool(ids) and ids[0] == bos
-        if self.add_bos_token and not starts_with_bos:
-            return [bos, *ids]
-        if not self.add_bos_token and starts_with_bos:
-            return ids[1:]
+        if add_special_tokens and self.adds_bos and ids[:1] != [bos]:
+            return [bos, *ids]  # type: ignore[list-item]
         return ids
+
+    def encode_chat(self, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
+        """A conversation's prompt ids: the template's special tokens parsed, the content's
+        special-token spellings kept as text (the template writes the BOS where it wants
+        one)."""
+        spelled = self._special_pattern
+        if spelled is None or not any(_spells(m, spelled) for m in messages):
+            return self.encode(self.apply_chat_template(messages, **extra), False)
+        # each spelling's first character is masked while the template renders, so that only
+        # the template's own markers are parsed, then restored in the text between them
+        masks = _masks(messages, {s[0] for s in self.specials})
+        hidden = [_mask(m, spelled, masks) for m in messages]
+        text = self.apply_chat_template(hidden, **extra)
+        unmask = str.maketrans({mask: char for char, mask in masks.items()})
+        ids: list[int] = []
+        for i, piece in enumerate(spelled.split(text)):
+            if i % 2:  # a marker the template wrote
+                ids.append(self.specials[piece])
+            elif piece:
+                ids.extend(_encode(self._literal, piece.translate(unmask)))
+        return ids
+
+    @functools.cached_property
+    def _special_pattern(self) -> re.Pattern[str] | None:
+        names = sorted(self.specials, key=len, reverse=True)
+        return re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (a piece of a character for some: decoding it alone
+        would give U+FFFD)."""
+        return _token_bytes(self.tokenizer, self._byte_level, token_id)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
@@ -104,6 +168,67 @@ class Tokenizer:
             eos_token=self.eos_token or "",
             **extra,
         )
+
+
+def _encode(tokenizer: tokenizers.Tokenizer, text: str) -> list[int]:
+    # encode_batch lets go of the GIL while it works (encode holds it, seconds for a
+    # megabyte), so that a server tokenizing on a worker thread keeps its loop running
+    return tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+
+
+def _spells(message: dict[str, Any], pattern: re.Pattern[str]) -> bool:
+    content = message.get("content")
+    return isinstance(content, str) and pattern.search(content) is not None
+
+
+def _masks(messages: list[dict[str, Any]], chars: set[str]) -> dict[str, str]:
+    """A private-use character for each of `chars`, none of which the messages hold."""
+    used = set().union(*(set(str(m.get("content") or "")) for m in messages))
+    free = (chr(c) for c in range(0xE000, 0xF900) if chr(c) not in used)
+    return {char: next(free) for char in sorted(chars)}
+
+
+def _mask(message: dict[str, Any], pattern: re.Pattern[str], masks: dict[str, str]) -> dict:
+    if not _spells(message, pattern):
+        return message
+    hide = lambda m: masks[m.group()[0]] + m.group()[1:]  # noqa: E731
+    return message | {"content": pattern.sub(hide, message["content"])}
+
+
+# GPT-2's table: each byte is spelled by one printable character in byte-level vocabularies
+_BYTE_CHARS = [
+    *range(ord("!"), ord("~") + 1),
+    *range(ord("\xa1"), ord("\xac") + 1),
+    *range(ord("\xae"), ord("\xff") + 1),
+]
+BYTE_OF_CHAR = {
+    chr(c): b
+    for b, c in zip(
+        [*_BYTE_CHARS, *(b for b in range(256) if b not in _BYTE_CHARS)],
+        [*_BYTE_CHARS, *range(256, 256 + 256 - len(_BYTE_CHARS))],
+        strict=True,
+    )
+}
+BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's spelling of a raw byte
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _token_bytes(tokenizer: tokenizers.Tokenizer, byte_level: bool, token_id: int) -> bytes:
+    token = tokenizer.id_to_token(token_id) or ""
+    if token_id in tokenizer.get_added_tokens_decoder():
+        return token.encode()
+    if byte_level and all(c in BYTE_OF_CHAR for c in token):
+        return bytes(BYTE_OF_CHAR[c] for c in token)
+    if match := BYTE_FALLBACK.fullmatch(token):
+        return bytes([int(match.group(1), 16)])
+    return token.replace("\u2581", " ").encode()  # SentencePiece spells a space as U+2581
+
+
+def incomplete_tail(data: bytes) -> int:
+    """Bytes at the end of `data` that begin a UTF-8 character and do not finish it."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder.decode(data, final=False)
+    return len(decoder.getstate()[0])
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -160,8 +285,9 @@ class IncrementalDetokenizer:
     returned (kept as context), `read_offset..` is not yet returned. A delta is never cut
     inside a UTF-8 character: while the window's text ends in U+FFFD (an incomplete byte
     sequence) those tokens are held back. The deltas, with `flush()` at the end, join to
-    `tokenizer.decode(output_ids)` (for decoders that keep a leading space, such as
-    byte-level BPE, and a prompt that ends on a whole character).
+    `tokenizer.decode(output_ids)` less the bytes of a last character the output did not
+    finish (for decoders that keep a leading space, such as byte-level BPE, and a prompt that
+    ends on a whole character).
     """
 
     def __init__(
@@ -185,10 +311,17 @@ class IncrementalDetokenizer:
         return ""
 
     def flush(self) -> str:
-        """The rest, held-back bytes included (decoded as U+FFFD); call when the output ends."""
+        """The rest; call when the output ends. The bytes of a character the output did not
+        finish are dropped (they would decode as U+FFFD); a U+FFFD the bytes spell stays."""
         if self.read_offset == len(self.ids):
             return ""
-        return self._advance(self._decode(self.prefix_offset, len(self.ids)), len(self.ids))
+        text = self._decode(self.prefix_offset, len(self.ids))
+        held = self.ids[self.read_offset :]
+        if self.skip_special_tokens:
+            held = [t for t in held if t not in self.tokenizer.special_ids]
+        if incomplete_tail(b"".join(map(self.tokenizer.token_bytes, held))):
+            text = text.removesuffix(REPLACEMENT)
+        return self._advance(text, len(self.ids))
 
     def _advance(self, text: str, end: int) -> str:
         """Return the text past the prefix and make tokens up to `end` the new prefix."""

@@ -33,11 +33,14 @@ class FakeTokenizer:
     def decode(self, ids: list[int]) -> str:
         return "".join(chr(i + 32) for i in ids if i < 95)
 
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
-    ) -> str:
+    chat_template = "<{role}>{content}...<assistant>"
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.decode([token_id]).encode()
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
-        return text + ("<assistant>" if add_generation_prompt else "")
+        return self.encode(text + "<assistant>")
 
 
 class FakeMetrics:
