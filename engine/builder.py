@@ -145,7 +145,7 @@ class Builder:
         self.prepare(model)
         k = spec.num_draft_tokens if spec.enabled else 0
         lookahead = k + 1 + spec.one_token_mode  # one-token mode: a step the host has not seen
-        num_pages = config.kv.num_pages or self._pages_for(model, config.kv.memory_bytes)
+        num_pages = config.kv.num_pages or self._pages_for(model, spec.keeps_cache)
         max_model_len = self._max_model_len(model, num_pages, lookahead)
         allocator = PageAllocator(num_pages)
         cache = self.cache_for(model, num_pages)
@@ -245,12 +245,13 @@ class Builder:
             )
         return min(asked, fits)
 
-    def _pages_for(self, model: LlamaModel, memory_bytes: int) -> int:
-        cfg = model.config
+    def _pages_for(self, model: LlamaModel, shared: bool) -> int:
+        """Pages the KV budget holds; `shared`: half of it is the drafter's cache."""
+        cfg, kv = model.config, self.config.kv
         per_page = KVCache.bytes_per_page(
-            cfg.num_layers, self.config.kv.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype
+            cfg.num_layers, kv.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype
         )
-        return max(1, memory_bytes // (2 * per_page))  # half for a drafter's cache
+        return max(1, kv.memory_bytes // ((1 + shared) * per_page))
 
     def drafter(
         self,

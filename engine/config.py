@@ -25,7 +25,8 @@ FIXED_TREE = (
 class KVConfig:
     page_size: int = 16  # FlashInfer's usual page; small enough that rollback wastes little
     num_pages: int = 0  # 0: as many as `memory_fraction` of free memory holds
-    memory_bytes: int = 1 << 30  # KV budget (target and drafter) when num_pages is 0
+    # KV budget (the target's cache and a drafter's, which gets half) when num_pages is 0
+    memory_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -103,6 +104,11 @@ class SpecConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "none"
+
+    @property
+    def keeps_cache(self) -> bool:
+        """Whether the drafter keeps a KV cache of its own (a draft model or a head)."""
+        return self.method in ("draft", "eagle", "mtp")
 
     @property
     def one_token_mode(self) -> bool:

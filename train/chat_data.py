@@ -1,16 +1,18 @@
 """Self-distillation data for a chat target's heads: `python -m train.chat_data`.
 
-    python -m train.chat_data generate --run-dir RUN     # the target answers the prompts
-    python -m train.chat_data tokens --run-dir RUN       # -> RUN/train_tokens.npy, heldout
+    python -m train.chat_data generate --data DIR      # the target answers the pool's prompts
+    python -m train.chat_data tokens --data DIR --run-dir RUN   # -> RUN/train_tokens.npy, ...
 
-`generate` sends every training prompt (train/chat_prompts.json), as a one-turn chat, to the
-target through our engine in large batches, once greedily and once per sampling temperature,
-and appends each conversation (the prompt's and the answer's token ids) to
-RUN/conversations.jsonl as it finishes: an interrupted run resumes where it stopped. `tokens`
-concatenates them into the token streams `train.heads precompute` reads, the conversations of
-the last `--heldout-prompts` prompts held out, then appends text files present on the machine
-(train/corpus_files.txt, tokenised by the target's tokenizer) to the training stream. The chat
-prompts of the benchmarks (train/chat_heldout_prompts.json) are never trained on.
+`generate` sends every prompt of DIR's pool (train.prompts), as a one-turn chat, to the target
+through our engine, once greedily and once per sampling temperature, keeping `--batch` requests
+in flight (a finished one is replaced at once, so the batch stays full), and appends the
+conversations (prompt and answer token ids) to DIR in compressed shards of uint16 ids as they
+finish: an interrupted run resumes where it stopped, and shards are never rewritten. `tokens`
+concatenates them into the token streams `train.heads precompute` reads: the conversations of
+one prompt in VALIDATION_EVERY form the validation split (checkpoints are chosen on it); then
+text files present on the machine (train/corpus_files.txt, tokenised by the target's
+tokenizer) are appended to the training stream. The chat prompts of the benchmarks
+(train/chat_heldout_prompts.json) are never trained on, nor anything near them (train.prompts).
 """
 
 from __future__ import annotations
@@ -19,24 +21,27 @@ import argparse
 import asyncio
 import json
 import logging
+import random
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from engine.config import EngineConfig, SpecConfig
+from engine.config import EngineConfig, KVConfig, SpecConfig
 from engine.engine import AsyncEngine
 from engine.request import SamplingParams
 from models.tokenizer import Tokenizer
 from train.corpus import load_corpus
 from train.lm import HELDOUT_TOKENS, TRAIN_TOKENS
+from train.prompts import POOL, read_pool
 
 log = logging.getLogger("train")
 
 PROMPTS = Path(__file__).parent / "chat_prompts.json"
 HELDOUT_PROMPTS = Path(__file__).parent / "chat_heldout_prompts.json"
-CONVERSATIONS = "conversations.jsonl"
 GREEDY = 0.0
+VALIDATION_EVERY = 50  # prompt ids divisible by this form the validation split
 
 
 def load_prompts(path: Path = PROMPTS) -> list[str]:
@@ -45,65 +50,120 @@ def load_prompts(path: Path = PROMPTS) -> list[str]:
 
 def chat_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
     """The token ids of a one-turn chat ready for the assistant's answer."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode_chat([{"role": "user", "content": prompt}])
 
 
-def read_conversations(run_dir: Path) -> list[dict]:
-    path = run_dir / CONVERSATIONS
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+@dataclass
+class Shard:
+    """Conversations as one compressed file: their ids joined (uint16), with offsets."""
+
+    prompt: list[int] = field(default_factory=list)  # [n] the pool's prompt id
+    temperature: list[float] = field(default_factory=list)  # [n]
+    answer_start: list[int] = field(default_factory=list)  # [n] where the answer begins
+    ids: list[list[int]] = field(default_factory=list)  # [n] prompt + answer
+
+    def add(self, prompt: int, temperature: float, ids: list[int], answer_start: int) -> None:
+        self.prompt.append(prompt)
+        self.temperature.append(temperature)
+        self.answer_start.append(answer_start)
+        self.ids.append(ids)
+
+    def save(self, path: Path) -> None:
+        lengths = [len(i) for i in self.ids]
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez_compressed(
+            tmp,
+            tokens=np.asarray([t for i in self.ids for t in i], dtype=np.uint16),
+            offsets=np.cumsum([0, *lengths]).astype(np.int64),
+            prompt=np.asarray(self.prompt, dtype=np.int32),
+            temperature=np.asarray(self.temperature, dtype=np.float32),
+            answer_start=np.asarray(self.answer_start, dtype=np.int32),
+        )
+        tmp.replace(path)
+
+
+def read_shards(data: Path) -> list[dict]:
+    """Every conversation of DIR's shards: {"prompt", "temperature", "ids", "answer_start"}."""
+    conversations = []
+    for path in sorted(data.glob("answers-*.npz")):
+        with np.load(path) as shard:  # each access decompresses: read every array once
+            fields = {name: shard[name] for name in shard.files}
+        tokens, offsets = fields["tokens"].astype(np.int64), fields["offsets"]
+        for j, prompt in enumerate(fields["prompt"].tolist()):
+            conversations.append({
+                "prompt": prompt,
+                "temperature": round(float(fields["temperature"][j]), 3),
+                "ids": tokens[offsets[j] : offsets[j + 1]].tolist(),
+                "answer_start": int(fields["answer_start"][j]),
+            })  # fmt: skip
+    return conversations
 
 
 async def generate(args: argparse.Namespace) -> None:
-    prompts = load_prompts()
+    pool = read_pool(args.data / POOL)
+    if not pool:
+        raise SystemExit(f"no prompts in {args.data / POOL}: run `python -m train.prompts`")
     temperatures = [GREEDY, *args.temperatures]
-    done = {(c["prompt"], c["temperature"]) for c in read_conversations(args.run_dir)}
-    jobs = [(i, t) for t in temperatures for i in range(len(prompts)) if (i, t) not in done]
+    done = {(c["prompt"], c["temperature"]) for c in read_shards(args.data)}
+    jobs = [(p["id"], t) for p in pool for t in temperatures if (p["id"], round(t, 3)) not in done]
+    random.Random(0).shuffle(jobs)  # so that what a stopped run leaves mixes every source
     log.info("%d conversations to generate, %d already there", len(jobs), len(done))
     if not jobs:
         return
-    config = EngineConfig(model=args.model, spec=SpecConfig(method="none"), max_running=args.batch)
+    config = EngineConfig(
+        model=args.model,
+        spec=SpecConfig(method="none"),
+        max_running=args.batch,
+        kv=KVConfig(memory_bytes=int(args.kv_gib * (1 << 30))),  # a full batch, no preemption
+    )
     engine = AsyncEngine(config)
     await engine.start()
-    args.run_dir.mkdir(parents=True, exist_ok=True)
-    start, tokens = time.monotonic(), 0
+    texts = {p["id"]: p["text"] for p in pool}
+    queue: asyncio.Queue[tuple[int, float]] = asyncio.Queue()
+    for job in jobs:
+        queue.put_nowait(job)
+    shard, number = Shard(), len(list(args.data.glob("answers-*.npz")))
+    start, answered, finished = time.monotonic(), 0, 0
+
+    def flush() -> None:
+        nonlocal shard, number
+        if shard.ids:
+            shard.save(args.data / f"answers-{number:05d}.npz")
+            shard, number = Shard(), number + 1
+
+    async def worker() -> None:
+        nonlocal answered, finished
+        while not queue.empty():
+            prompt, temperature = queue.get_nowait()
+            ids = chat_ids(engine.tokenizer, texts[prompt])
+            # unseeded: the engine derives a seed from the request, and samples by the
+            # rejection rule, cheaper than the seeded coupling over a large vocabulary
+            params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature)
+            answer = [t for d in await engine.generate(ids, params) for t in d.token_ids]
+            shard.add(prompt, temperature, ids + answer, len(ids))
+            answered, finished = answered + len(answer), finished + 1
+            if len(shard.ids) >= args.shard_size:
+                flush()
+            if finished % 100 == 0:
+                rate = answered / (time.monotonic() - start)
+                eta = (len(jobs) - finished) * (answered / finished) / rate
+                log.info("%d/%d conversations, %d answer tokens, %.0f tok/s, %.1f h left",
+                         finished, len(jobs), answered, rate, eta / 3600)  # fmt: skip
+
     try:
-        with open(args.run_dir / CONVERSATIONS, "a") as out:
-
-            async def one(index: int, temperature: float) -> None:
-                nonlocal tokens
-                ids = chat_ids(engine.tokenizer, prompts[index])
-                params = SamplingParams(
-                    max_tokens=args.max_tokens, temperature=temperature, seed=index
-                )
-                deltas = await engine.generate(ids, params)
-                answer = [t for d in deltas for t in d.token_ids]
-                record = {"prompt": index, "temperature": temperature, "ids": ids + answer}
-                out.write(json.dumps(record) + "\n")
-                out.flush()
-                tokens += len(answer)
-
-            for first in range(0, len(jobs), args.batch):
-                await asyncio.gather(*(one(i, t) for i, t in jobs[first : first + args.batch]))
-                elapsed = time.monotonic() - start
-                log.info(
-                    "%d/%d conversations, %d answer tokens, %.0f tok/s",
-                    *(min(first + args.batch, len(jobs)), len(jobs), tokens, tokens / elapsed),
-                )
+        await asyncio.gather(*(worker() for _ in range(args.batch)))
     finally:
+        flush()
         await engine.stop()
 
 
 def cmd_tokens(args: argparse.Namespace) -> None:
-    conversations = read_conversations(args.run_dir)
+    conversations = read_shards(args.data)
     if not conversations:
-        raise SystemExit(f"no conversations in {args.run_dir}: run `generate` first")
-    heldout_from = len(load_prompts()) - args.heldout_prompts
+        raise SystemExit(f"no conversations in {args.data}: run `generate` first")
     streams: dict[str, list[int]] = {"train": [], "heldout": []}
     for c in sorted(conversations, key=lambda c: (c["prompt"], c["temperature"])):
-        streams["heldout" if c["prompt"] >= heldout_from else "train"].extend(c["ids"])
+        streams["heldout" if c["prompt"] % VALIDATION_EVERY == 0 else "train"].extend(c["ids"])
     chat_tokens = len(streams["train"])
     if args.text_tokens:
         tokenizer = Tokenizer(args.tokenizer_model)
@@ -113,10 +173,11 @@ def cmd_tokens(args: argparse.Namespace) -> None:
             if len(ids) >= args.text_tokens:
                 break
         streams["train"].extend(ids[: args.text_tokens])
+    args.run_dir.mkdir(parents=True, exist_ok=True)
     for split, name in (("train", TRAIN_TOKENS), ("heldout", HELDOUT_TOKENS)):
         np.save(args.run_dir / name, np.asarray(streams[split], dtype=np.int32))
     log.info(
-        "train: %d tokens (%d of chat, %d of text); heldout: %d tokens of chat",
+        "train: %d tokens (%d of chat, %d of text); validation: %d tokens of chat",
         *(len(streams["train"]), chat_tokens, len(streams["train"]) - chat_tokens),
         len(streams["heldout"]),
     )
@@ -126,17 +187,18 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m train.chat_data", description=__doc__.split("\n")[0]
     )
-    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--data", type=Path, required=True, help="the pool's and the shards' folder")
     p.add_argument("--model", default="smollm2", help="the target (as server.py's --model)")
     sub = p.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="the target's answers to the training prompts")
+    gen = sub.add_parser("generate", help="the target's answers to the pool's prompts")
     gen.add_argument("--temperatures", type=float, nargs="*", default=[0.7, 1.0],
                      help="sampled answers besides the greedy one")  # fmt: skip
     gen.add_argument("--max-tokens", type=int, default=320)
-    gen.add_argument("--batch", type=int, default=48, help="requests in flight")
+    gen.add_argument("--batch", type=int, default=64, help="requests in flight")
+    gen.add_argument("--shard-size", type=int, default=256, help="conversations a shard")
+    gen.add_argument("--kv-gib", type=float, default=2.0, help="KV cache memory (GiB)")
     tok = sub.add_parser("tokens", help="the token streams for train.heads precompute")
-    held = "the last N training prompts' answers form the held-out split"
-    tok.add_argument("--heldout-prompts", type=int, default=12, help=held)
+    tok.add_argument("--run-dir", type=Path, required=True)
     text = "tokens of text from the machine appended to the training split"
     tok.add_argument("--text-tokens", type=int, default=60_000, help=text)
     return p
@@ -146,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.command == "generate":
+        args.data.mkdir(parents=True, exist_ok=True)
         asyncio.run(generate(args))
     else:
         from engine.builder import model_path
