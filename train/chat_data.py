@@ -34,7 +34,7 @@ from engine.request import SamplingParams
 from models.tokenizer import Tokenizer
 from train.corpus import load_corpus
 from train.lm import HELDOUT_TOKENS, TRAIN_TOKENS
-from train.prompts import POOL, read_pool
+from train.prompts import OFFLINE_WATCHDOG_S, POOL, read_pool
 
 log = logging.getLogger("train")
 
@@ -115,6 +115,7 @@ async def generate(args: argparse.Namespace) -> None:
         spec=SpecConfig(method="none"),
         max_running=args.batch,
         kv=KVConfig(memory_bytes=int(args.kv_gib * (1 << 30))),  # a full batch, no preemption
+        watchdog_s=OFFLINE_WATCHDOG_S,
     )
     engine = AsyncEngine(config)
     await engine.start()

@@ -36,7 +36,7 @@ from models.mtp import MTPHead, save_mtp_head
 from train import head_data, head_train
 from train.head_train import KINDS, HeadData, HeadLoss
 from train.lm import HELDOUT_TOKENS, TRAIN_TOKENS
-from train.loop import TrainConfig, train
+from train.loop import TrainConfig, cpu_has_bf16, train
 
 log = logging.getLogger("train")
 
@@ -97,6 +97,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         checkpoint_minutes=args.checkpoint_minutes,
         max_steps=args.max_steps,
         seed=args.seed,
+        bf16=cpu_has_bf16() if args.bf16 == "auto" else args.bf16 == "on",
     )
     loss = HeadLoss.default(args.kind)
     if args.feature_weight is not None:
@@ -178,6 +179,8 @@ def parser() -> argparse.ArgumentParser:
     tr.add_argument("--max-steps", type=int, default=0, help="stop early (smoke tests)")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--resume", action="store_true", help="continue from the checkpoint")
+    bf16 = "bfloat16 autocast of the forward (auto: where the CPU has bfloat16 dot products)"
+    tr.add_argument("--bf16", choices=("auto", "on", "off"), default="auto", help=bf16)
     tr.add_argument("--dtype", default="bfloat16", help="dtype of the exported weights")
     tr.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3's draft vocabulary")
     tr.add_argument("--out", type=Path, help="export directory (default RUN/heads/KIND/head)")

@@ -41,6 +41,9 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     max_steps: int = 0  # 0: no limit besides the budget (tests set a few steps)
+    # the forward under bfloat16 autocast (float32 weights, optimiser and loss reductions):
+    # what pays on a CPU with bfloat16 dot products (cpu_has_bf16; bench.train_step)
+    bf16: bool = False
 
     def __post_init__(self) -> None:
         if self.minutes <= 0 or self.batch <= 0 or self.seq <= 0:
@@ -132,7 +135,7 @@ def train(
     while state.elapsed_s < budget_s and not (cfg.max_steps and state.step >= cfg.max_steps):
         started = time.perf_counter()
         lr = cfg.lr_at(state.step, state.elapsed_s)
-        loss, grad_norm = _step(model, loss_fn, opt, sampler.next(), lr, cfg.grad_clip)
+        loss, grad_norm = optimizer_step(model, loss_fn, opt, sampler.next(), lr, cfg)
         took = time.perf_counter() - started
         state.step += 1
         state.elapsed_s += took
@@ -152,23 +155,34 @@ def train(
     return state
 
 
-def _step(
+def optimizer_step(
     model: nn.Module,
     loss_fn: LossFn,
     opt: torch.optim.Optimizer,
     batch: torch.Tensor,  # [batch, seq + 1]
     lr: float,
-    grad_clip: float,
+    cfg: TrainConfig,
 ) -> tuple[float, float]:
     """One optimiser step; returns the loss and the gradient norm before clipping."""
     for group in opt.param_groups:
         group["lr"] = lr
-    loss = loss_fn(batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+        loss = loss_fn(batch)
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     opt.step()
     return loss.item(), grad_norm.item()
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bfloat16 dot products natively (AVX512-BF16 or AMX): read at
+    run time, since the machines this runs on differ."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _checkpoint(

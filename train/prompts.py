@@ -38,6 +38,9 @@ HERE = Path(__file__).parent
 GIVEN = HERE / "chat_prompts.json"
 HELDOUT = HERE / "chat_heldout_prompts.json"
 POOL = "prompts.jsonl.gz"
+# an offline job has no supervisor to restart it, and may be paused (SIGSTOP) for as long as
+# a benchmark beside it runs: its engine's watchdog waits a day, not a minute
+OFFLINE_WATCHDOG_S = 24 * 3600.0
 NEAR = 0.5  # share of a prompt's word trigrams found in a held-out prompt that drops it
 TASKS = [  # (what to ask, the snippet's fence): a snippet of code or text follows each
     ("Explain what this Python code does:", "python"),
@@ -192,7 +195,12 @@ async def build(args: argparse.Namespace) -> None:
     while pool.count("text") < args.text:
         pool.add("text", next(tasks))
     if pool.count("self") < args.self_written:
-        config = EngineConfig(model=args.model, spec=SpecConfig(), max_running=args.batch)
+        config = EngineConfig(
+            model=args.model,
+            spec=SpecConfig(),
+            max_running=args.batch,
+            watchdog_s=OFFLINE_WATCHDOG_S,
+        )
         engine = AsyncEngine(config)
         await engine.start()
         try:
