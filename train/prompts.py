@@ -204,7 +204,7 @@ async def build(args: argparse.Namespace) -> None:
         engine = AsyncEngine(config)
         await engine.start()
         try:
-            rounds = 0
+            rounds = pool.count("self")  # a resumed run draws new seeds
             while (missing := args.self_written - pool.count("self")) > 0:
                 seed = args.seed * 1_000_003 + rounds * 100_000
                 for text in await self_written(
