@@ -113,11 +113,14 @@ class Sample:
 class EngineRunner:
     """Runs request groups through one AsyncEngine and reads back what they cost."""
 
-    def __init__(self, method: Method, config: EngineConfig, seeded: bool = False):
+    def __init__(
+        self, method: Method, config: EngineConfig, seeded: bool = False, eos: bool = False
+    ):
         """seeded: requests carry seeds (sampled ones then draw by the seeded coupling);
-        without, the engine seeds them and they take the rejection rule."""
+        without, the engine seeds them and they take the rejection rule. eos: a request ends
+        at the end of its answer (else it runs to max_tokens)."""
         self.method = method
-        self.seeded = seeded
+        self.seeded, self.eos = seeded, eos
         try:
             self.engine = AsyncEngine(config)
         except Exception as error:  # a drafter that is not built or not trained fails loudly
@@ -142,7 +145,8 @@ class EngineRunner:
             start = time.perf_counter()
             streams = [
                 self.engine.submit(
-                    ids, params(temperature, seed + i if self.seeded else None, max_tokens)
+                    ids,
+                    params(temperature, seed + i if self.seeded else None, max_tokens, self.eos),
                 )
                 for i, ids in enumerate(group)
             ]
@@ -242,9 +246,9 @@ def tree_levels(spec: SpecConfig) -> list[int] | None:
     return None
 
 
-def params(temperature: float, seed: int | None, max_tokens: int) -> SamplingParams:
+def params(temperature: float, seed: int | None, max_tokens: int, eos: bool) -> SamplingParams:
     return SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True
+        max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=not eos
     )
 
 
@@ -335,9 +339,12 @@ class HFRunner:
     lookup; k tokens proposed a step, float32. It runs on the thread that runs the engines'
     forwards (a CPU stream: engine/device.py)."""
 
-    def __init__(self, method: Method, target: Any, assistant: Any, k: int, eos: int):
+    def __init__(
+        self, method: Method, target: Any, assistant: Any, k: int, eos: int, stop: bool = False
+    ):
+        """eos: the end-of-sequence id; stop: whether a generation ends there."""
         self.method, self.target, self.assistant = method, target, assistant
-        self.k, self.eos = k, eos
+        self.k, self.eos, self.ends_at_eos = k, eos, stop
         self.forwards = 0  # the target's forward calls in the current generate
         target.register_forward_hook(self._count)
         self.stream = Stream(torch.device("cpu"), "hf")
@@ -379,9 +386,9 @@ class HFRunner:
             sample.accepted += new - self.forwards
 
     def kwargs(self, temperature: float, max_tokens: int) -> dict[str, Any]:
-        kw: dict[str, Any] = dict(
-            max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=self.eos
-        )
+        kw: dict[str, Any] = dict(max_new_tokens=max_tokens, pad_token_id=self.eos)
+        if not self.ends_at_eos:
+            kw["min_new_tokens"] = max_tokens
         kw |= (
             dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
             if temperature

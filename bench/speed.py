@@ -115,14 +115,16 @@ def build_runners(
         for m in methods
         if not m.is_hf
     }
-    runners: dict[Method, Runner] = {m: EngineRunner(m, c, args.seeded) for m, c in configs.items()}
+    runners: dict[Method, Runner] = {
+        m: EngineRunner(m, c, args.seeded, args.eos) for m, c in configs.items()
+    }
     hf_methods = [m for m in methods if m.is_hf]
     if hf_methods:
         target, draft = target_dir(args), Path(args.draft_model or DEMO_DIR / "draft")
         cpu = torch.device("cpu")  # loaded on the thread that runs them (engine/device.py)
         target_model, assistant = run_on_device(cpu, hf_models, target, draft, args.k)
         for m in hf_methods:
-            runners[m] = HFRunner(m, target_model, assistant, args.k, eos_id(target))
+            runners[m] = HFRunner(m, target_model, assistant, args.k, eos_id(target), args.eos)
     return {m: runners[m] for m in methods}  # in the order asked for
 
 
@@ -190,6 +192,12 @@ def parse_args(
         action="store_true",
         help="requests carry seeds: sampled ones draw by the seeded coupling (default: no "
         "seeds, the rejection rule)",
+    )
+    p.add_argument(
+        "--eos",
+        action="store_true",
+        help="a request ends at its end of sequence (default: every request runs to "
+        "--max-tokens, so that every method decodes the same number of tokens)",
     )
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--repeats", type=int, default=MIN_REPEATS, help="interleaved (median)")

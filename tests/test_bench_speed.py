@@ -222,3 +222,16 @@ def test_aims_compare_the_right_rows():
     lines = [report.aim_line(a) for a in goals]
     assert "NOT met: efficiency of ngram at t=0: 0.80 (aim 0.85, repeats 0.75-0.88)" in lines
     assert "met: efficiency of draft at t=0: 0.90 (aim 0.85)" in lines  # no range given
+
+
+def test_eos_mode_lets_requests_end_at_their_end_of_sequence():
+    from bench import runners
+
+    assert runners.params(1.0, None, 8, eos=True).ignore_eos is False
+    assert runners.params(1.0, None, 8, eos=False).ignore_eos is True
+    hf = runners.HFRunner.__new__(runners.HFRunner)
+    hf.method, hf.k, hf.eos = runners.Method("hf-generate"), 2, 0
+    for stop, pinned in ((True, False), (False, True)):
+        hf.ends_at_eos = stop
+        assert ("min_new_tokens" in hf.kwargs(0.0, 16)) is pinned
+    assert speed.parse_args(["--eos"]).eos and not speed.parse_args([]).eos

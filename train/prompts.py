@@ -154,22 +154,22 @@ def docstring(text: str, rng: random.Random) -> str | None:
     return " ".join(chosen.split()[:200])
 
 
-async def self_written(engine: AsyncEngine, count: int, batch: int, seed: int) -> list[str]:
-    """`count` user turns the model writes (Magpie), sampled `batch` at a time."""
+async def self_written(engine: AsyncEngine, count: int) -> list[str]:
+    """`count` user turns the model writes (Magpie). The requests bring no seed: the engine
+    derives one from its own seed and the request (so that a run can be repeated), and they
+    sample by the plain rule, cheaper than the seeded coupling over a large vocabulary."""
     tokenizer = engine.tokenizer
     opening = user_turn_opening(tokenizer)
     end = tokenizer.token_to_id(end_of_turn(tokenizer))
-    params = lambda i: SamplingParams(  # noqa: E731
-        max_tokens=96, temperature=1.0, top_p=0.98, seed=seed + i, stop_token_ids=(end,)
-    )
+    params = SamplingParams(max_tokens=96, temperature=1.0, top_p=0.98, stop_token_ids=(end,))
 
-    async def one(i: int) -> str | None:
-        deltas = await engine.generate(opening, params(i))
+    async def one() -> str | None:
+        deltas = await engine.generate(opening, params)
         if deltas[-1].finish_reason != "stop":  # cut by the length limit
             return None
         return "".join(d.text for d in deltas).strip()
 
-    texts = await asyncio.gather(*(one(i) for i in range(count)))
+    texts = await asyncio.gather(*(one() for _ in range(count)))
     return [t for t in texts if t]
 
 
@@ -200,18 +200,14 @@ async def build(args: argparse.Namespace) -> None:
             spec=SpecConfig(),
             max_running=args.batch,
             watchdog_s=OFFLINE_WATCHDOG_S,
+            seed=args.seed * 1_000_003 + pool.count("self"),  # a resumed run draws anew
         )
         engine = AsyncEngine(config)
         await engine.start()
         try:
-            rounds = pool.count("self")  # a resumed run draws new seeds
             while (missing := args.self_written - pool.count("self")) > 0:
-                seed = args.seed * 1_000_003 + rounds * 100_000
-                for text in await self_written(
-                    engine, min(missing, args.batch * 4), args.batch, seed
-                ):
+                for text in await self_written(engine, min(missing, args.batch * 4)):
                     pool.add("self", text, check_degenerate=True)
-                rounds += 1
                 log.info("self-written: %d of %d (dropped %s)", pool.count("self"),
                          args.self_written, pool.dropped)  # fmt: skip
         finally:
