@@ -76,6 +76,7 @@ async def test_generation_fills_shards_and_resumes(tiny_target, tmp_path):
         batch=3,
         shard_size=3,
         kv_gib=0.01,
+        minutes=0,
     )
     await chat_data.generate(args)
     first = read_shards(tmp_path)
@@ -89,3 +90,27 @@ async def test_generation_fills_shards_and_resumes(tiny_target, tmp_path):
     await chat_data.generate(args)  # only the new prompt's two answers, in a new shard
     assert len(read_shards(tmp_path)) == 10
     assert sorted(p.name for p in tmp_path.glob("answers-*.npz"))[:3] == shards
+
+
+def test_one_command_makes_a_head_and_resumes(tiny_target, tmp_path, monkeypatch):
+    """train.auto on the tiny model with a budget of seconds: every stage runs, the head
+    loads as a drafter, and a second run finds every stage done."""
+    from models.eagle import load_eagle_head
+    from models.loader import load_model
+    from train import auto
+
+    out = tmp_path / "head"
+    argv = ["--model", str(tiny_target), "--hours", "0.01", "--out", str(out),
+            "--self-written", "8", "--text-tasks", "8", "--validate-prompts", "2",
+            "--window", "32", "--kind", "eagle-original"]  # fmt: skip
+    auto.main(argv)
+    state = json.loads((tmp_path / "head.run" / auto.STATE).read_text())
+    assert state["done"] == [s.name for s in auto.STAGES]
+    assert json.loads((out / "validate.json").read_text())["acceptance_length"] >= 1.0
+    load_eagle_head(out, load_model(tiny_target))
+    calls = []
+    monkeypatch.setattr(
+        auto, "STAGES", [auto.Stage(s.name, s.share, calls.append) for s in auto.STAGES]
+    )
+    auto.main(argv)
+    assert calls == []

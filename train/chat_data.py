@@ -42,6 +42,7 @@ PROMPTS = Path(__file__).parent / "chat_prompts.json"
 HELDOUT_PROMPTS = Path(__file__).parent / "chat_heldout_prompts.json"
 GREEDY = 0.0
 VALIDATION_EVERY = 50  # prompt ids divisible by this form the validation split
+MIN_ANSWER_ROOM = 16  # tokens of context an answer needs, else the prompt is skipped
 
 
 def load_prompts(path: Path = PROMPTS) -> list[str]:
@@ -132,14 +133,19 @@ async def generate(args: argparse.Namespace) -> None:
             shard.save(args.data / f"answers-{number:05d}.npz")
             shard, number = Shard(), number + 1
 
+    deadline = start + args.minutes * 60 if args.minutes else float("inf")
+
     async def worker() -> None:
         nonlocal answered, finished
-        while not queue.empty():
+        while not queue.empty() and time.monotonic() < deadline:
             prompt, temperature = queue.get_nowait()
             ids = chat_ids(engine.tokenizer, texts[prompt])
+            room = min(args.max_tokens, engine.max_model_len - len(ids))
+            if room < min(MIN_ANSWER_ROOM, args.max_tokens):  # a prompt too long for the context
+                continue
             # unseeded: the engine derives a seed from the request, and samples by the
             # rejection rule, cheaper than the seeded coupling over a large vocabulary
-            params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature)
+            params = SamplingParams(max_tokens=room, temperature=temperature)
             answer = [t for d in await engine.generate(ids, params) for t in d.token_ids]
             shard.add(prompt, temperature, ids + answer, len(ids))
             answered, finished = answered + len(answer), finished + 1
@@ -198,6 +204,7 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--batch", type=int, default=64, help="requests in flight")
     gen.add_argument("--shard-size", type=int, default=256, help="conversations a shard")
     gen.add_argument("--kv-gib", type=float, default=2.0, help="KV cache memory (GiB)")
+    gen.add_argument("--minutes", type=float, default=0, help="start no answer after this")
     tok = sub.add_parser("tokens", help="the token streams for train.heads precompute")
     tok.add_argument("--run-dir", type=Path, required=True)
     text = "tokens of text from the machine appended to the training split"

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gzip
 import json
 import logging
 import random
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -87,6 +89,7 @@ class Pool:
 
     def __init__(self, path: Path):
         self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
         self.prompts = read_pool(path)
         self.seen = {" ".join(words(p["text"])) for p in self.prompts}
         self.heldout = [trigrams(t) for t in json.loads(HELDOUT.read_text())]
@@ -160,8 +163,8 @@ async def self_written(engine: AsyncEngine, count: int) -> list[str]:
     sample by the plain rule, cheaper than the seeded coupling over a large vocabulary."""
     tokenizer = engine.tokenizer
     opening = user_turn_opening(tokenizer)
-    end = tokenizer.token_to_id(end_of_turn(tokenizer))
-    params = SamplingParams(max_tokens=96, temperature=1.0, top_p=0.98, stop_token_ids=(end,))
+    end = end_of_turn(tokenizer)
+    params = dataclasses.replace(end, max_tokens=96, temperature=1.0, top_p=0.98)
 
     async def one() -> str | None:
         deltas = await engine.generate(opening, params)
@@ -180,11 +183,16 @@ def user_turn_opening(tokenizer) -> list[int]:
     return tokenizer.encode(text[: text.index(marker)], add_special_tokens=False)
 
 
-def end_of_turn(tokenizer) -> str:
+def end_of_turn(tokenizer) -> SamplingParams:
+    """What ends a user turn in the template: its special token (ChatML's <|im_end|>), else
+    the text the template writes after the content."""
     marker = "\ue000"
     text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], False)
     after = text[text.index(marker) + 1 :]
-    return next(s for s in tokenizer.specials if after.startswith(s))
+    special = next((s for s in tokenizer.specials if after.startswith(s)), None)
+    if special is not None:
+        return SamplingParams(stop_token_ids=(tokenizer.token_to_id(special),))
+    return SamplingParams(stop=(after.strip() or after,))
 
 
 async def build(args: argparse.Namespace) -> None:
@@ -205,7 +213,11 @@ async def build(args: argparse.Namespace) -> None:
         engine = AsyncEngine(config)
         await engine.start()
         try:
+            deadline = time.monotonic() + args.minutes * 60 if args.minutes else float("inf")
             while (missing := args.self_written - pool.count("self")) > 0:
+                if time.monotonic() > deadline:
+                    log.info("the time budget is spent: %d self-written", pool.count("self"))
+                    break
                 for text in await self_written(engine, min(missing, args.batch * 4)):
                     pool.add("self", text, check_degenerate=True)
                 log.info("self-written: %d of %d (dropped %s)", pool.count("self"),
@@ -224,6 +236,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--text", type=int, default=2000, help="tasks over the machine's text")
     p.add_argument("--batch", type=int, default=64, help="requests in flight")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--minutes", type=float, default=0, help="stop writing after this (0: never)")
     return p
 
 
