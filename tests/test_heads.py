@@ -216,3 +216,42 @@ async def test_validation_is_the_engines(kind, tiny_target, trained_heads, monke
     assert counters["accepted_tokens"] == result["usage"]["accepted_tokens"] == accepted
     assert sum(counters["accepted_per_position"]) == accepted
     assert len(result["top1_given_previous"]) == 3
+
+
+def test_learning_curve_subsets_nest():
+    data = head_train.HeadData({
+        "tokens": torch.arange(40).reshape(20, 2),
+        "hidden": torch.zeros(20, 2, 4),
+        "topk_logits": torch.zeros(20, 2, 3),
+        "topk_ids": torch.zeros(20, 2, 3, dtype=torch.int32),
+    })  # fmt: skip
+    sizes = {f: data.subset(f, seed=5) for f in (0.125, 0.25, 0.5, 1.0)}
+    firsts = {f: {int(t) for t in d.tokens[:, 0]} for f, d in sizes.items()}
+    assert [len(d) for d in sizes.values()] == [2, 5, 10, 20]
+    assert firsts[0.125] <= firsts[0.25] <= firsts[0.5] <= firsts[1.0]
+    with pytest.raises(ValueError, match="fraction"):
+        data.subset(0, seed=0)
+
+
+def test_train_command_runs_epochs_and_exports_the_best_checkpoint(
+    target, tiny_target, store, tmp_path
+):
+    """--epochs sets the steps from the data's size; the exported head is the checkpoint with
+    the lowest validation loss, which train.json names."""
+    from models.mtp import load_mtp_head
+    from train import heads
+    from train.loop import BEST
+
+    run = store.parent
+    out = tmp_path / "head"
+    argv = ["--threads", "1", "train", "--run-dir", str(run), "--target", str(tiny_target),
+            "--kind", "mtp", "--batch", "2", "--fraction", "0.5", "--epochs", "3",
+            "--checkpoint-minutes", "0", "--minutes", "10", "--out", str(out)]  # fmt: skip
+    heads.main(argv)
+    summary = json.loads((run / heads.HEADS_DIR / "mtp" / "train.json").read_text())
+    assert summary["windows"] == 4 and summary["steps"] == 6  # 8 windows, half, 3 epochs of 2
+    assert 1 <= summary["best_step"] <= 6 and (run / heads.HEADS_DIR / "mtp" / BEST).exists()
+    best = torch.load(run / heads.HEADS_DIR / "mtp" / BEST)
+    exported = load_mtp_head(out, target).state_dict()
+    name = next(n for n in best if n in exported and best[n].dim() == 2)
+    assert torch.allclose(exported[name].float(), best[name].float(), atol=1e-2)

@@ -128,6 +128,19 @@ class HeadData:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
+    def subset(self, fraction: float, seed: int) -> HeadData:
+        """A seeded random share of the windows (a learning curve's smaller data sets, each
+        inside the larger ones: the same order, cut shorter)."""
+        if not 0 < fraction <= 1:
+            raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+        if fraction == 1:
+            return self
+        order = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed))
+        keep = order[: max(1, round(fraction * len(self)))].sort().values
+        tensors = {"tokens": self.tokens, "hidden": self.hidden, "topk_logits": self.topk_logits}
+        tensors |= {"topk_ids": self.topk_ids} | ({"aux": self.aux} if self.aux is not None else {})
+        return HeadData({name: t[keep] for name, t in tensors.items()})
+
     @property
     def window(self) -> int:
         return self.tokens.shape[1]

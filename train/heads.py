@@ -36,7 +36,7 @@ from models.mtp import MTPHead, save_mtp_head
 from train import head_data, head_train
 from train.head_train import KINDS, HeadData, HeadLoss
 from train.lm import HELDOUT_TOKENS, TRAIN_TOKENS
-from train.loop import TrainConfig, cpu_has_bf16, train
+from train.loop import TrainConfig, cpu_has_bf16, load_best, train
 
 log = logging.getLogger("train")
 
@@ -84,8 +84,10 @@ def export_head(head: head_train.Head, out: Path, dtype: torch.dtype) -> None:
 
 def cmd_train(args: argparse.Namespace) -> None:
     data_dir = args.run_dir / head_data.DATA_DIR
-    data = HeadData(head_data.load_split(data_dir, "train"))
+    data = HeadData(head_data.load_split(data_dir, "train")).subset(args.fraction, args.seed)
     heldout = HeadData(head_data.load_split(data_dir, "heldout"))
+    # --epochs: the same passes over the data whatever its size (a learning curve's points)
+    epoch_steps = -(-len(data) * args.epochs // args.batch) if args.epochs else 0
     cfg = TrainConfig(
         minutes=args.minutes,
         lr=args.lr,
@@ -95,7 +97,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         weight_decay=args.weight_decay,
         grad_clip=args.grad_clip,
         checkpoint_minutes=args.checkpoint_minutes,
-        max_steps=args.max_steps,
+        max_steps=args.max_steps or round(epoch_steps),
         seed=args.seed,
         bf16=cpu_has_bf16() if args.bf16 == "auto" else args.bf16 == "on",
     )
@@ -132,8 +134,10 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     loss_fn = functools.partial(head_train.training_loss, head, data, loss)
     state = train(head, loss_fn, sampler, cfg, run, resume=args.resume, evaluate=evaluate)
+    load_best(run, head, state)  # checkpoints are chosen on the validation split
     metrics = head_train.heldout_metrics(head, heldout, loss)
     summary = {"kind": args.kind, "steps": state.step, "minutes": state.elapsed_s / 60}
+    summary |= {"windows": len(data), "fraction": args.fraction, "best_step": state.best_step}
     summary |= {"tokens": state.tokens, "heldout": metrics}
     (run / "train.json").write_text(json.dumps(summary, indent=2) + "\n")
     export_head(head, args.out or run / "head", getattr(torch, args.dtype))
@@ -177,6 +181,8 @@ def parser() -> argparse.ArgumentParser:
     tr.add_argument("--feature-weight", type=float, help="override the kind's feature term")
     tr.add_argument("--checkpoint-minutes", type=float, default=3.0)
     tr.add_argument("--max-steps", type=int, default=0, help="stop early (smoke tests)")
+    tr.add_argument("--fraction", type=float, default=1.0, help="train on this share of windows")
+    tr.add_argument("--epochs", type=float, default=0, help="passes over the data (0: budget)")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--resume", action="store_true", help="continue from the checkpoint")
     bf16 = "bfloat16 autocast of the forward (auto: where the CPU has bfloat16 dot products)"

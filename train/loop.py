@@ -24,6 +24,7 @@ from train.data import WindowSampler
 log = logging.getLogger("train")
 
 CHECKPOINT = "checkpoint.pt"
+BEST = "best.pt"  # the weights of the checkpoint with the lowest validation loss
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,8 @@ class TrainState:
     step: int = 0
     elapsed_s: float = 0.0
     tokens: int = 0
+    best_loss: float = math.inf  # the lowest validation loss at a checkpoint
+    best_step: int = 0
 
 
 def save_checkpoint(
@@ -121,7 +124,8 @@ def train(
 ) -> TrainState:
     """Train until the time budget (or `max_steps`) is spent; checkpoints into `run_dir`.
 
-    `evaluate` (a held-out loss) is logged at every checkpoint.
+    `evaluate` (a validation loss) runs at every checkpoint; the weights of the checkpoint
+    where it is lowest are kept in `run_dir/BEST` (load_best).
     """
     opt = make_optimizer(model, cfg)
     state = TrainState()
@@ -193,7 +197,19 @@ def _checkpoint(
     sampler: WindowSampler,
     evaluate: Callable[[], float] | None,
 ) -> None:
+    if evaluate is not None:
+        loss = evaluate()
+        if loss < state.best_loss:
+            state.best_loss, state.best_step = loss, state.step
+            torch.save(model.state_dict(), run_dir / BEST)
+        log.info("checkpoint at step %d, validation loss %.4f", state.step, loss)
     save_checkpoint(run_dir, model, opt, state, sampler)
-    held_out = f", held-out loss {evaluate():.4f}" if evaluate else ""
-    log.info("checkpoint at step %d%s", state.step, held_out)
     model.train()
+
+
+def load_best(run_dir: Path, model: nn.Module, state: TrainState) -> None:
+    """The weights of the checkpoint with the lowest validation loss, where one was kept."""
+    if (run_dir / BEST).exists():
+        model.load_state_dict(torch.load(run_dir / BEST))
+        log.info("the best checkpoint: step %d, validation loss %.4f", state.best_step,
+                 state.best_loss)  # fmt: skip
