@@ -84,7 +84,8 @@ async def measure(
                     runs.setdefault(key, Run()).add(outs, time.perf_counter() - start)
                     print(f"repeat {repeat} {key}: {runs[key].rates[-1]:.1f} tok/s", flush=True)
     for name, engine in engines.items():
-        by_k = {k: int(engine.metrics.steps_by_k.labels(k=k).value) for k in range(engine.k + 1)}
+        steps = "tandem_spec_decode_steps_total"
+        by_k = {k: int(engine.metrics.registry.value(steps, k=k)) for k in range(engine.k + 1)}
         print(f"{name}: decode steps by draft length {by_k}", flush=True)
         await engine.stop()
     return {key: run.summary() for key, run in runs.items()}

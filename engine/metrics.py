@@ -1,223 +1,42 @@
-"""Counters, gauges and histograms with labels, rendered in the Prometheus text format (0.0.4),
-and the engine's own metrics on top of them. No third-party dependency."""
+"""The engine's metrics, through `prometheus-client`, rendered in the Prometheus text format
+for GET /metrics."""
 
 from __future__ import annotations
 
-import bisect
-import math
-import re
-import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.request import FinishReason
 
-_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
-_LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
-
-
-def _format_value(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return "NaN" if math.isnan(value) else repr(float(value))
-
-
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _label_text(names: Sequence[str], values: Sequence[str]) -> str:
-    if not names:
-        return ""
-    pairs = ",".join(f'{n}="{_escape_label(v)}"' for n, v in zip(names, values, strict=True))
-    return "{" + pairs + "}"
-
-
-class _Metric:
-    """One metric family: a name, a help line, label names, and a child per label values."""
-
-    kind = ""
-
-    def __init__(self, name: str, help: str, labels: Sequence[str] = ()) -> None:
-        if not _NAME.match(name):
-            raise ValueError(f"bad metric name {name!r}")
-        for label in labels:
-            if not _LABEL.match(label) or label.startswith("__") or label == "le":
-                raise ValueError(f"bad label name {label!r} for {name}")
-        self.name, self.help, self.label_names = name, help, tuple(labels)
-        self._lock = threading.Lock()  # the engine loop writes while the server renders
-        self._children: dict[tuple[str, ...], list[float]] = {}
-        self._views: dict[tuple[str, ...], object] = {}  # label values -> the child handed out
-        if not labels:
-            self._child(())
-
-    def _new_values(self) -> list[float]:
-        return [0.0]
-
-    def _key(self, labels: dict[str, object]) -> tuple[str, ...]:
-        if len(labels) != len(self.label_names) or not all(n in labels for n in self.label_names):
-            raise ValueError(f"{self.name} takes labels {self.label_names}, got {tuple(labels)}")
-        return tuple([str(labels[n]) for n in self.label_names])
-
-    def _view(self, labels: dict[str, object], make: type) -> Any:
-        """The child object for these labels, made once (the engine updates some every step)."""
-        key = self._key(labels)
-        view = self._views.get(key)
-        if view is None:
-            view = self._views[key] = make(self, self._child(key))
-        return view
-
-    def _child(self, key: tuple[str, ...]) -> list[float]:
-        with self._lock:
-            return self._children.setdefault(key, self._new_values())
-
-    def render(self) -> list[str]:
-        help = self.help.replace("\\", "\\\\").replace("\n", "\\n")
-        lines = [f"# HELP {self.name} {help}", f"# TYPE {self.name} {self.kind}"]
-        with self._lock:
-            children = [(key, list(values)) for key, values in self._children.items()]
-        for key, values in children:
-            lines += self._samples(_label_text(self.label_names, key), key, values)
-        return lines
-
-    def _samples(self, labels: str, key: tuple[str, ...], values: list[float]) -> list[str]:
-        return [f"{self.name}{labels} {_format_value(values[0])}"]
-
-
-class Counter(_Metric):
-    """A value that only goes up. `inc()` without labels, `labels(...).inc()` with them."""
-
-    kind = "counter"
-
-    def labels(self, **labels: object) -> _CounterChild:
-        return self._view(labels, _CounterChild)
-
-    def inc(self, amount: float = 1.0) -> None:
-        self.labels().inc(amount)
-
-
-class _CounterChild:
-    def __init__(self, metric: _Metric, values: list[float]) -> None:
-        self._metric, self._values = metric, values
-
-    def inc(self, amount: float = 1.0) -> None:
-        if amount < 0:
-            raise ValueError(f"{self._metric.name}: a counter cannot decrease")
-        with self._metric._lock:
-            self._values[0] += amount
-
-    @property
-    def value(self) -> float:
-        return self._values[0]
-
-
-class Gauge(_Metric):
-    """A value that is set, or goes up and down."""
-
-    kind = "gauge"
-
-    def labels(self, **labels: object) -> _GaugeChild:
-        return self._view(labels, _GaugeChild)
-
-    def set(self, value: float) -> None:
-        self.labels().set(value)
-
-    def inc(self, amount: float = 1.0) -> None:
-        self.labels().inc(amount)
-
-
-class _GaugeChild:
-    def __init__(self, metric: _Metric, values: list[float]) -> None:
-        self._metric, self._values = metric, values
-
-    def set(self, value: float) -> None:
-        with self._metric._lock:
-            self._values[0] = float(value)
-
-    def inc(self, amount: float = 1.0) -> None:
-        with self._metric._lock:
-            self._values[0] += amount
-
-
-class Histogram(_Metric):
-    """Observations counted into buckets (upper bounds, inclusive), plus their sum and count.
-
-    Stored per bucket, rendered cumulative with a final `le="+Inf"` bucket."""
-
-    kind = "histogram"
-
-    def __init__(
-        self, name: str, help: str, buckets: Sequence[float], labels: Sequence[str] = ()
-    ) -> None:
-        bounds = [float(b) for b in buckets if not math.isinf(b)]
-        if not bounds or bounds != sorted(set(bounds)):
-            raise ValueError(f"{name}: buckets must be increasing, got {list(buckets)}")
-        self.bounds = bounds
-        super().__init__(name, help, labels)
-
-    def _new_values(self) -> list[float]:
-        return [0.0] * (len(self.bounds) + 3)  # one per bound, +Inf, then sum and count
-
-    def labels(self, **labels: object) -> _HistogramChild:
-        return self._view(labels, _HistogramChild)
-
-    def observe(self, value: float) -> None:
-        self.labels().observe(value)
-
-    def _samples(self, labels: str, key: tuple[str, ...], values: list[float]) -> list[str]:
-        lines, total = [], 0.0
-        for bound, count in zip([*self.bounds, math.inf], values[:-2], strict=True):
-            total += count
-            le = _label_text((*self.label_names, "le"), (*key, _format_value(bound)))
-            lines.append(f"{self.name}_bucket{le} {_format_value(total)}")
-        lines.append(f"{self.name}_sum{labels} {_format_value(values[-2])}")
-        lines.append(f"{self.name}_count{labels} {_format_value(values[-1])}")
-        return lines
-
-
-class _HistogramChild:
-    def __init__(self, metric: Histogram, values: list[float]) -> None:
-        self._metric, self._values = metric, values
-
-    def observe(self, value: float) -> None:
-        index = bisect.bisect_left(self._metric.bounds, value)  # le: bound >= value
-        with self._metric._lock:
-            self._values[index] += 1
-            self._values[-2] += value
-            self._values[-1] += 1
+# a `_created` timestamp beside every counter and histogram doubles the text for no reader here
+prometheus_client.disable_created_metrics()
 
 
 class Registry:
-    """Metric families by name, rendered in the order they were made."""
+    """An engine's own collector registry, with its families made through it."""
 
     def __init__(self) -> None:
-        self._metrics: dict[str, _Metric] = {}
-
-    def _add(self, metric: _Metric) -> None:
-        if metric.name in self._metrics:
-            raise ValueError(f"metric {metric.name} already registered")
-        self._metrics[metric.name] = metric
+        self.registry = CollectorRegistry(auto_describe=True)
 
     def counter(self, name: str, help: str, labels: Sequence[str] = ()) -> Counter:
-        metric = Counter(name, help, labels)
-        self._add(metric)
-        return metric
+        return Counter(name, help, labels, registry=self.registry)
 
     def gauge(self, name: str, help: str, labels: Sequence[str] = ()) -> Gauge:
-        metric = Gauge(name, help, labels)
-        self._add(metric)
-        return metric
+        return Gauge(name, help, labels, registry=self.registry)
 
-    def histogram(
-        self, name: str, help: str, buckets: Sequence[float], labels: Sequence[str] = ()
-    ) -> Histogram:
-        metric = Histogram(name, help, buckets, labels)
-        self._add(metric)
-        return metric
+    def histogram(self, name: str, help: str, buckets: Sequence[float]) -> Histogram:
+        return Histogram(name, help, buckets=buckets, registry=self.registry)
 
     def render(self) -> str:
         """The exposition text, served as `text/plain; version=0.0.4`."""
-        return "".join(line + "\n" for m in self._metrics.values() for line in m.render())
+        return prometheus_client.generate_latest(self.registry).decode()
+
+    def value(self, name: str, **labels: object) -> float:
+        """A sample's value (0 where it has none yet)."""
+        found = self.registry.get_sample_value(name, {k: str(v) for k, v in labels.items()})
+        return found or 0.0
 
 
 # first-token latency spans queueing and prefill, so its buckets reach further
@@ -232,7 +51,7 @@ class EngineMetrics:
     GET /metrics serves."""
 
     def __init__(self, num_speculative_tokens: int = 0) -> None:
-        r = self.registry = Registry()
+        r = self.registry = Registry()  # an engine's own: tests run several engines at once
         # sets the gauges that describe a state (requests, pages) just before each render,
         # rather than at every change of it
         self.collect: Callable[[], None] | None = None
