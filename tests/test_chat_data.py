@@ -7,6 +7,7 @@ import argparse
 import json
 
 import numpy as np
+import pytest
 
 from train import chat_data, prompts
 from train.chat_data import Shard, read_shards
@@ -92,6 +93,7 @@ async def test_generation_fills_shards_and_resumes(tiny_target, tmp_path):
     assert sorted(p.name for p in tmp_path.glob("answers-*.npz"))[:3] == shards
 
 
+@pytest.mark.slow
 def test_one_command_makes_a_head_and_resumes(tiny_target, tmp_path, monkeypatch):
     """train.auto on the tiny model with a budget of seconds: every stage runs, the head
     loads as a drafter, and a second run finds every stage done."""

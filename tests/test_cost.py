@@ -179,8 +179,8 @@ def test_engine_drafts_less_when_drafts_are_rejected(tiny_target, tiny_draft, mo
                 )
                 engine.cost.observe = lambda *args: None  # no timing noise in the choice
             outs = await staggered(engine, prompts, GREEDY)
-            steps = engine.metrics.steps_by_k
-            return outs, {k: steps.labels(k=k).value for k in range(5)}
+            value = engine.metrics.registry.value
+            return outs, {k: value("tandem_spec_decode_steps_total", k=k) for k in range(5)}
 
     plain, _ = asyncio.run(main("none"))
     assert not idled  # no cost model, nothing to fade

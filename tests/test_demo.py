@@ -42,6 +42,7 @@ def max_path_difference(model, sequences: list[list[int]], prompt_lens: list[int
     return worst
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 async def test_demo_speculation_diverges_only_at_near_ties():
     prompts = heldout(4)

@@ -464,6 +464,7 @@ async def tree_joint(target, head, tree: str, draws: int) -> dict[tuple[int, ...
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tree", ["fixed", "dynamic"])
 def test_sampled_trees_follow_the_target(stats_models, tree):

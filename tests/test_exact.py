@@ -223,6 +223,7 @@ async def complete(session: aiohttp.ClientSession, url: str, body: dict) -> tupl
         return text, usage
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 async def test_text_and_usage_are_the_same_for_every_drafter_streamed_or_not():
     results = {}

@@ -165,6 +165,7 @@ def test_what_is_not_supported_is_named(checkpoint, tmp_path, overrides, message
 SMOLLM2_HEADS = Path(__file__).resolve().parent.parent / "models" / "smollm2"
 
 
+@pytest.mark.slow
 async def test_smollm2_answers_and_its_drafters_are_lossless():
     """Plain, n-gram and its shipped heads (EAGLE-3 as a chain and a dynamic tree, MTP,
     EAGLE-1): the same greedy answer, token for token."""

@@ -222,6 +222,7 @@ async def mtp_joint(target_dir, head_dir, k: int) -> dict[tuple[int, ...], int]:
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("k", [1, 2])
 def test_sampled_mtp_follows_target(tmp_path, k):

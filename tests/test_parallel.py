@@ -48,6 +48,9 @@ from tests.tiny import (
     write_tokenizer,
 )
 
+# processes and process groups: the full tier
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300], list(range(40, 75)), [7] * 12, [901, 17, 5, 3]]
 DEMO_HEADS = {"draft": "draft", "eagle": "eagle", "mtp": "mtp"}

@@ -71,6 +71,7 @@ async def sampled_joint(
     [(True, False), (False, False), (True, True)],
     ids=["rejection", "rejection-argmax-drafts", "coupling"],
 )
+@pytest.mark.slow
 def test_sampled_speculation_follows_target(models, sampled_drafts, seeded):
     target, draft = models
     expected = exact_joint(target)
