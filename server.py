@@ -592,7 +592,15 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, S
         )
     except ValueError as e:
         parser.error(str(e))
+    if config.device.startswith("cuda") and not _cuda_available():
+        parser.error(f"--device {config.device}: this machine has no CUDA device")
     return config, options
+
+
+def _cuda_available() -> bool:
+    import torch  # only where a CUDA device is asked for: --help stays quick
+
+    return torch.cuda.is_available()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 SPECULATIVE_METHODS = ("none", "draft", "ngram", "eagle", "mtp")
@@ -135,6 +136,7 @@ def check_tree_paths(paths: tuple[tuple[int, ...], ...]) -> None:
 
 
 QUANTIZATIONS = (None, "int8")
+DEVICE = re.compile(r"(cpu|cuda(:\d+)?)\Z")
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,8 @@ class EngineConfig:
                 "tensor parallelism runs float weights on the CPU (gloo) only: not with "
                 "--quantization, --batch-invariant or a CUDA device yet"
             )
+        if not DEVICE.match(self.device):
+            raise ValueError(f"unknown device {self.device!r}: cpu, cuda or cuda:N")
         if self.watchdog_s <= 0 or self.max_failed_steps < 1:
             raise ValueError("watchdog_s must be > 0 and max_failed_steps at least 1")
         if self.attention not in ATTENTION_BACKENDS:

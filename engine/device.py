@@ -146,7 +146,9 @@ class _Worker:
 
     def _run(self, device: torch.device | None) -> None:
         if device is not None and device.type == "cuda":
-            torch.cuda.set_device(device)
+            # "cuda" names no index, which set_device refuses: the current device is meant
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            torch.cuda.set_device(index)
         # device work never needs autograd; inference mode also skips the version counters
         # and view tracking (measurably faster than no_grad: bench/results/NOTES.md)
         with torch.inference_mode():
