@@ -93,7 +93,7 @@ class EagleHead(nn.Module):
         """[T, H] the head's features: what the lm_head reads and what drafting feeds back."""
         embeds = self.target.embed_tokens(input_ids)  # [T, H]
         x = self.fc(torch.cat((embeds, features.to(embeds.dtype)), dim=-1))
-        cos, sin = self.rotary(positions)
+        cos, sin = self.rotary(positions, x.dtype)
         x, _ = run_layers(self.layers, self.decoder, x, cos, sin, attn)
         return self.norm(x)
 
@@ -318,7 +318,7 @@ class Eagle3Head(nn.Module):
     ) -> torch.Tensor:
         """[T, H] the layer's output before the final norm: what drafting feeds back."""
         embeds = self.target.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions)
+        cos, sin = self.rotary(positions, embeds.dtype)
         return self.midlayer(embeds, features.to(embeds.dtype), cos, sin, attn)
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:

@@ -333,11 +333,15 @@ class Rotary(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, head_dim] for positions [T], sin's first half negated (`rotate`)."""
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim] for positions [T], sin's first half negated (`rotate`):
+        computed in float32, handed over in the activations' dtype (as transformers does)."""
         freqs = positions.float()[:, None, None] * self.inv_freq  # [T, 1, head_dim / 2]
         cos, sin = freqs.cos(), freqs.sin()
-        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        return cos.to(dtype), sin.to(dtype)
 
 
 class LlamaModel(nn.Module):
@@ -364,7 +368,7 @@ class LlamaModel(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Hidden states after the final norm [T, H], and the outputs of `aux_layers` [T, H]."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions)
+        cos, sin = self.rotary(positions, x.dtype)
         x, aux = run_layers(self.layers, self.decoder, x, cos, sin, attn, aux_layers)
         return self.norm(x), aux
 

@@ -95,7 +95,7 @@ class MTPHead(nn.Module):
         """[T, H] block outputs (before `shared_head.norm`): the next chained hidden states."""
         embed = self.enorm(self.target.embed_tokens(input_ids))
         x = self.eh_proj(torch.cat((embed, self.hnorm(hidden)), dim=-1))
-        cos, sin = self.rotary(positions)
+        cos, sin = self.rotary(positions, x.dtype)
         return run_layers([self.block], self.decoder, x, cos, sin, attn)[0]
 
     def stack(self) -> list[DecoderLayer]:
