@@ -42,7 +42,7 @@ from api import (
     validate,
 )
 from engine.config import (
-    ATTENTION_BACKENDS,
+    ATTENTION_CHOICES,
     SPECULATIVE_METHODS,
     TREE_SHAPES,
     EngineConfig,
@@ -467,7 +467,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--page-size": (int, "N", kv.page_size, "tokens per KV page"),
         "--num-pages": (int, "N", kv.num_pages, "KV pages; 0: what the KV memory budget holds"),
         "--device": (str, "DEVICE", engine.device, "torch device: cpu, cuda, cuda:1, ..."),
-        "--dtype": (str, "DTYPE", engine.dtype, "float32, bfloat16 or float16"),
+        "--dtype": (
+            str,
+            "DTYPE",
+            engine.dtype,
+            "auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16 or float16",
+        ),
         "--seed": (int, "N", engine.seed, "seed of the requests that bring none"),
         "--tensor-parallel-size": (
             int,
@@ -495,10 +500,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--attention",
-        choices=ATTENTION_BACKENDS,
+        choices=ATTENTION_CHOICES,
         default=engine.attention,
-        help="attention backend of every forward; flashinfer: CUDA only, not yet proven "
-        f"against torch's on a device (default: {engine.attention})",
+        help="attention backend of every forward; auto: flashinfer on CUDA where it imports, "
+        "else torch; flashinfer: CUDA, bfloat16 or float16 only, not yet proven against "
+        f"torch's on a device (default: {engine.attention})",
     )
     parser.add_argument(
         "--tree",

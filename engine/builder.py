@@ -131,7 +131,7 @@ class Builder:
         self.group = group
         self.shard = group.shard if group is not None else None
         self.device = torch.device(config.device)
-        self.dtype = getattr(torch, config.dtype)
+        self.dtype = getattr(torch, config.torch_dtype)
 
     def build(self) -> Built:
         """Everything the engine runs (on the device's thread: model loading, calibration)."""
@@ -139,7 +139,7 @@ class Builder:
         if config.batch_invariant:  # the config allows it with the torch backend only
             attention: AttentionBackend = InvariantAttention
         else:
-            attention = ATTENTION_BACKENDS[config.attention](self.device)
+            attention = ATTENTION_BACKENDS[config.backend](self.device)
         model_dir = model_path(config.model)
         model = load_model(model_dir, self.dtype, self.device, cache_dir(), self.shard)
         self.prepare(model)
@@ -218,7 +218,7 @@ class Builder:
         key = {
             "files": [(str(f.resolve()), *_file_stamp(f)) for f in files],
             "spec": [spec.method, spec.num_speculative_tokens, spec.tree, spec.tree_nodes],
-            "engine": [config.max_running, config.dtype, config.quantization, config.device],
+            "engine": [config.max_running, config.torch_dtype, config.quantization, config.device],
             "machine": [torch.get_num_threads(), os.cpu_count(), platform.machine()],
         }
         digest = hashlib.blake2b(json.dumps(key).encode(), digest_size=8).hexdigest()

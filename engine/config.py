@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from dataclasses import dataclass, field
 
 SPECULATIVE_METHODS = ("none", "draft", "ngram", "eagle", "mtp")
 ATTENTION_BACKENDS = ("torch", "flashinfer")  # engine/builder.py makes them
+ATTENTION_CHOICES = ("auto", *ATTENTION_BACKENDS)  # auto: flashinfer on CUDA where it imports
+DTYPES = ("float32", "bfloat16", "float16")
 TREE_SHAPES = ("chain", "fixed", "dynamic")
 # the default fixed tree: each path ranks the children taken from the root down (0: the
 # drafter's top token); wide near the root, where acceptance is likeliest, then chain-like
@@ -145,7 +148,8 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     kv: KVConfig = field(default_factory=KVConfig)
     device: str = "cpu"
-    attention: str = "torch"  # the attention backend of every forward (ATTENTION_BACKENDS)
+    # the attention backend of every forward (ATTENTION_CHOICES; `backend` resolves auto)
+    attention: str = "auto"
     # a row's result depends on nothing but its own tokens: not on the other rows, the number
     # of rows or how a prompt was chunked (greedy output then equals plain decoding's with no
     # near-tie exception); slower linears at one row and blocked attention
@@ -153,7 +157,9 @@ class EngineConfig:
     # "int8": every linear weight-only int8 (one scale per output row), a quarter of the
     # bytes each forward streams; None: the weights as loaded
     quantization: str | None = None
-    dtype: str = "float32"  # weights and activations; bfloat16 checkpoints are upcast on CPU
+    # weights and activations (`torch_dtype` resolves auto): bfloat16 on CUDA, where the
+    # kernels are made for it; float32 on the CPU, where bfloat16 checkpoints are upcast
+    dtype: str = "auto"
     max_running: int = 64  # bound on requests decoding at once
     max_waiting: int = 256  # bound on the waiting queue; past it submissions are refused
     max_batch_tokens: int = 512  # prefill tokens per step; longer prompts are chunked
@@ -182,11 +188,19 @@ class EngineConfig:
             raise ValueError(f"unknown device {self.device!r}: cpu, cuda or cuda:N")
         if self.watchdog_s <= 0 or self.max_failed_steps < 1:
             raise ValueError("watchdog_s must be > 0 and max_failed_steps at least 1")
-        if self.attention not in ATTENTION_BACKENDS:
+        if self.attention not in ATTENTION_CHOICES:
             raise ValueError(
-                f"unknown attention backend {self.attention!r}; choose from {ATTENTION_BACKENDS}"
+                f"unknown attention backend {self.attention!r}; choose from {ATTENTION_CHOICES}"
             )
-        if self.batch_invariant and self.attention != "torch":
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"unsupported dtype {self.dtype!r}; choose auto or from {DTYPES}")
+        if self.backend == "flashinfer" and not self.device.startswith("cuda"):
+            raise ValueError("--attention flashinfer runs on CUDA only: use torch on the CPU")
+        if self.backend == "flashinfer" and self.torch_dtype == "float32":
+            raise ValueError(
+                "FlashInfer has no float32 kernels: --dtype bfloat16 or float16 with it"
+            )
+        if self.batch_invariant and self.backend != "torch":
             raise ValueError("batch-invariant mode runs the torch attention backend only")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
@@ -194,10 +208,23 @@ class EngineConfig:
             )
         if self.quantization and (self.batch_invariant or self.device != "cpu"):
             raise ValueError("--quantization int8 runs on the CPU, without --batch-invariant")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"unsupported dtype {self.dtype!r}")
         for name in ("max_running", "max_waiting", "max_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.max_model_len < 0:
             raise ValueError("max_model_len must not be negative")
+
+    @property
+    def torch_dtype(self) -> str:
+        """The dtype's name, auto resolved by the device."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+    @property
+    def backend(self) -> str:
+        """The attention backend, auto resolved: FlashInfer on CUDA where it imports."""
+        if self.attention != "auto":
+            return self.attention
+        cuda = self.device.startswith("cuda")
+        return "flashinfer" if cuda and importlib.util.find_spec("flashinfer") else "torch"

@@ -43,3 +43,40 @@ def test_a_cuda_device_without_cuda_is_a_usage_error(capsys, name):
         server.config_from_args(["--device", name])
     assert exit.value.code == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "device, flashinfer, dtype, backend",
+    [
+        ("cpu", True, "float32", "torch"),
+        ("cuda", True, "bfloat16", "flashinfer"),
+        ("cuda:0", False, "bfloat16", "torch"),
+    ],
+)
+def test_auto_dtype_and_attention_follow_the_device(
+    monkeypatch, device, flashinfer, dtype, backend
+):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: (object() if flashinfer else None) if name == "flashinfer" else real(name),
+    )
+    config = EngineConfig(device=device)
+    assert (config.torch_dtype, config.backend) == (dtype, backend)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"attention": "flashinfer"}, "CUDA only"),
+        ({"attention": "flashinfer", "device": "cuda", "dtype": "float32"}, "no float32"),
+        ({"dtype": "float8"}, "unsupported dtype"),
+        ({"batch_invariant": True, "attention": "flashinfer", "device": "cuda"}, "torch"),
+    ],
+)
+def test_impossible_combinations_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**fields)
