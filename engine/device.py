@@ -50,11 +50,18 @@ class Event:
         )
 
     def result(self) -> Any:
-        """The work's value; blocks the calling thread (only stream work may call this)."""
+        """The work's value once its device work has ended: blocks the calling thread until
+        the device is there (on CUDA a host synchronisation), so no step stage calls it."""
         value = self.future.result()
         if self.cuda_event is not None:
             self.cuda_event.synchronize()
         return value
+
+    def value(self) -> Any:
+        """The work's value as soon as the host has launched it, its device work maybe still
+        queued: for stream work ordered after that work on the device (the same stream, or
+        a `Stream.wait` on this event), which must not wait for it on the host."""
+        return self.future.result()
 
     def __await__(self):
         return self._wait().__await__()

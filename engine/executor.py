@@ -120,7 +120,7 @@ class Executor:
         if self.d2h is None:
             return Outcome.of((await sampled).verdict)
         self.d2h.wait(sampled)
-        return await self.d2h.submit(lambda: Outcome.of(sampled.result().verdict))
+        return await self.d2h.submit(lambda: Outcome.of(sampled.value().verdict))
 
     def close(self) -> None:
         """After the work submitted so far has run (and, on a tensor-parallel leader, a
@@ -137,7 +137,7 @@ class Executor:
         self, plan: Plan, time: DeviceTime, copied: Event, layout: dict[str, int]
     ) -> Sampled:
         start = self.compute.item_started
-        return self._to_sample(plan, time, copied.result(), layout, None, start)
+        return self._to_sample(plan, time, copied.value(), layout, None, start)
 
     def _to_sample(
         self,
@@ -186,7 +186,7 @@ class Executor:
 
     def _refill_piece(self, plan: Plan, time: DeviceTime, sampled: Event) -> int:
         # raises when the step's first piece failed
-        return self._refill(plan, time, sampled.result(), self.compute.item_started)
+        return self._refill(plan, time, sampled.value(), self.compute.item_started)
 
     def _refill(
         self, plan: Plan, time: DeviceTime, first: Sampled, start: float | None = None
