@@ -116,3 +116,21 @@ def test_one_command_makes_a_head_and_resumes(tiny_target, tmp_path, monkeypatch
     )
     auto.main(argv)
     assert calls == []
+
+
+def test_a_user_turn_opens_and_ends_as_the_template_says(tiny_target):
+    """SmolLM2's ChatML turn ends with its <|im_end|> token; the tiny template's with a line
+    break, a stop string."""
+    from models.gguf import packaged_smollm2
+    from models.tokenizer import Tokenizer
+
+    smollm2 = Tokenizer(packaged_smollm2())
+    opening, end = prompts.user_turn(smollm2)
+    assert smollm2.decode(opening, False).endswith("<|im_start|>user\n")
+    assert end.stop_token_ids == (smollm2.specials["<|im_end|>"],)
+    tiny = Tokenizer(tiny_target)
+    opening, end = prompts.user_turn(tiny)
+    assert end.stop == ("\n",) and not end.stop_token_ids
+    assert tiny.decode(opening, False) + "hi" + "\n" in tiny.apply_chat_template(
+        [{"role": "user", "content": "hi"}], False
+    )

@@ -32,6 +32,7 @@ from pathlib import Path
 from engine.config import EngineConfig, SpecConfig
 from engine.engine import AsyncEngine
 from engine.request import SamplingParams
+from models.tokenizer import Tokenizer
 from train.corpus import load_corpus
 
 log = logging.getLogger("train")
@@ -161,9 +162,7 @@ async def self_written(engine: AsyncEngine, count: int) -> list[str]:
     """`count` user turns the model writes (Magpie). The requests bring no seed: the engine
     derives one from its own seed and the request (so that a run can be repeated), and they
     sample by the plain rule, cheaper than the seeded coupling over a large vocabulary."""
-    tokenizer = engine.tokenizer
-    opening = user_turn_opening(tokenizer)
-    end = end_of_turn(tokenizer)
+    opening, end = user_turn(engine.tokenizer)
     params = dataclasses.replace(end, max_tokens=96, temperature=1.0, top_p=0.98)
 
     async def one() -> str | None:
@@ -176,23 +175,18 @@ async def self_written(engine: AsyncEngine, count: int) -> list[str]:
     return [t for t in texts if t]
 
 
-def user_turn_opening(tokenizer) -> list[int]:
-    """The template's ids up to where a user's words begin (after its default system turn)."""
+def user_turn(tokenizer: Tokenizer) -> tuple[list[int], SamplingParams]:
+    """The template's ids up to where a user's words begin (after its default system turn),
+    and what ends the turn: the template's special token there (ChatML's <|im_end|>), else
+    the text it writes after the words."""
     marker = "\ue000"
     text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], False)
-    return tokenizer.encode(text[: text.index(marker)], add_special_tokens=False)
-
-
-def end_of_turn(tokenizer) -> SamplingParams:
-    """What ends a user turn in the template: its special token (ChatML's <|im_end|>), else
-    the text the template writes after the content."""
-    marker = "\ue000"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], False)
-    after = text[text.index(marker) + 1 :]
+    before, after = text.split(marker, 1)
+    opening = tokenizer.encode(before, add_special_tokens=False)
     special = next((s for s in tokenizer.specials if after.startswith(s)), None)
     if special is not None:
-        return SamplingParams(stop_token_ids=(tokenizer.token_to_id(special),))
-    return SamplingParams(stop=(after.strip() or after,))
+        return opening, SamplingParams(stop_token_ids=(tokenizer.specials[special],))
+    return opening, SamplingParams(stop=(after.strip() or after,))
 
 
 async def build(args: argparse.Namespace) -> None:
