@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 
@@ -112,9 +113,11 @@ class SamplingTensors:
         seeds: list[int],
         device: torch.device | str,
         vocab_size: int | None = None,  # needed when a request brings a logit_bias
+        pin: bool = False,  # page-locked host memory, which a GPU copies from asynchronously
     ) -> SamplingTensors:
         def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            tensor = torch.tensor(values, dtype=dtype, device=device)
+            return tensor.pin_memory() if pin else tensor
 
         f32 = torch.float32
         sampled = [p for p in params if not p.greedy]
@@ -129,7 +132,7 @@ class SamplingTensors:
             repetition_penalty=column([p.repetition_penalty for p in params], f32),
             # any Python int seed, wrapped into int64 (two's complement)
             seeds=column([(s + 2**63) % 2**64 - 2**63 for s in seeds], torch.int64),
-            logit_bias=_bias_rows(params, vocab_size, device),
+            logit_bias=_bias_rows(params, vocab_size, device, pin),
             coupled=column(coupled, torch.bool) if any(coupled) else None,
             all_greedy=not sampled,
             any_greedy=len(sampled) < len(params),
@@ -141,9 +144,23 @@ class SamplingTensors:
             any_min_p=any(p.min_p > 0 for p in sampled),
         )
 
+    def to(self, device: torch.device) -> SamplingTensors:
+        """The tensors on `device`, copied without blocking the host (from pinned memory
+        on a GPU); itself where they are there already."""
+        if self.temperature.device == device:
+            return self
+
+        tensors = {f.name: getattr(self, f.name) for f in fields(self)}
+        moved: dict[str, Any] = {
+            name: value.to(device, non_blocking=True)
+            for name, value in tensors.items()
+            if isinstance(value, torch.Tensor)
+        }
+        return replace(self, **moved)
+
 
 def _bias_rows(
-    params: list[SamplingParams], vocab_size: int | None, device: torch.device | str
+    params: list[SamplingParams], vocab_size: int | None, device: torch.device | str, pin: bool
 ) -> torch.Tensor | None:
     """[B, V] the requests' logit biases, dense; None when no request has one."""
     if not any(p.logit_bias for p in params):
@@ -156,4 +173,5 @@ def _bias_rows(
             if not 0 <= token_id < vocab_size:
                 raise ValueError(f"logit_bias token id {token_id} is outside the vocabulary")
             bias[row, token_id] = value
-    return bias.to(device)
+    bias = bias.to(device)
+    return bias.pin_memory() if pin else bias

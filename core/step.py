@@ -76,7 +76,9 @@ class Plan:
     emits: list[bool]  # [B] whether the step samples a token for the sequence
     unknown: list[int]  # [B] see DevicePlan.unknown
     page_size: int
-    sampling: SamplingTensors  # the batch's sampling parameters, on the device
+    # the batch's sampling parameters on the host (pinned on a GPU); DevicePlan.sampling is
+    # the device's copy, made by the step's own stream
+    sampling: SamplingTensors
     top_logprobs: int | None  # top-n logprobs wanted by some request of the batch
     fields: dict[str, list[int]]  # the int32 sections uploaded in one buffer, by name
 
@@ -124,6 +126,7 @@ class DevicePlan:
     prompt_lens: torch.Tensor  # [B] output tokens start here (penalties count them)
     host_drafts: torch.Tensor  # [B, k] drafts proposed on the host (n-gram), -1 where none
     unknown: torch.Tensor  # [B] 1: planned before the sequence's previous step was sampled
+    sampling: SamplingTensors  # the batch's sampling parameters, on the device
 
 
 @dataclass

@@ -321,7 +321,10 @@ class AsyncEngine:
             if all(map(operator.is_, requests, cached[0])):
                 return cached[1]
         params, seeds = [r.params for r in requests], [r.seed for r in requests]
-        tensors = SamplingTensors.build(params, seeds, self.device, self.vocab_size)
+        # on the host: the step's stream copies them to the device (stages/plan.py unpack),
+        # so that the event loop never waits for a device copy
+        cuda = self.device.type == "cuda"
+        tensors = SamplingTensors.build(params, seeds, "cpu", self.vocab_size, pin=cuda)
         self._sampling = (requests, tensors)
         return tensors
 

@@ -51,7 +51,7 @@ def draft_chain(
     `step(token [B], state, j)` runs the drafter over draft j and returns its next logits and
     state (what a head feeds back: its hidden state; nothing for a draft model). A greedy
     batch's q would be the argmax's point mass anyway, so it drafts greedily."""
-    st, k = plan.sampling, plan.k
+    st, k = dev.sampling, plan.k
     u = noise = None  # [B, k] the drafts' uniforms, drawn at once (positions base + 1 ..)
     if sampled and not st.all_greedy:
         positions = dev.base[:, None] + 1 + torch.arange(k + 1, device=dev.base.device)

@@ -168,7 +168,7 @@ class EagleTreeDrafter(EagleDrafter):
         self.scratch_start = scratch_start  # first scratch slot; row r owns S after r * S
 
     def propose(self, plan: Plan, dev: DevicePlan) -> Drafts:
-        st, shape = plan.sampling, self.shape
+        st, shape = dev.sampling, self.shape
         sampled = self.sampled and not st.all_greedy
         tree = shape.draft(self, dev, plan.k, st if sampled else None)
         # never accept past num_drafts: deeper nodes become padding (their subtrees too)

@@ -227,4 +227,5 @@ def unpack(plan: Plan, buffer: torch.Tensor, layout: dict[str, int]) -> DevicePl
         prompt_lens=t["prompt_lens"],
         host_drafts=t["host_drafts"].view(b, plan.k),
         unknown=t["unknown"],
+        sampling=plan.sampling.to(buffer.device),
     )

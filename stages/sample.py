@@ -29,7 +29,7 @@ class SampleStage:
         self.vocab_size = vocab_size
 
     def __call__(self, plan: Plan, dev: DevicePlan, out: TargetOutput, drafts: Drafts) -> Verdict:
-        st = plan.sampling
+        st = dev.sampling
         first = dev.base + 1  # position of the first token this step emits
         penalties = self._penalties(dev, first) if st.any_penalty else None
         if plan.k and drafts.parents is not None:
@@ -60,7 +60,7 @@ class SampleStage:
         penalties: PenaltyState | None,
     ) -> Verdict:
         """The tree rule; tokens padded to [B, W] like a chain's."""
-        st = plan.sampling
+        st = dev.sampling
         probs = _tree_probs(out.logits, st, penalties, drafts)
         assert drafts.parents is not None and drafts.depths is not None
         first = dev.base + 1

@@ -39,7 +39,7 @@ def test_rope_rotates_in_place_through_a_strided_view():
                       num_heads=4, num_kv_heads=2)  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     qkv = torch.randn(5, 8 * 16, generator=gen)  # q|k|v of 4 + 2 + 2 heads
-    cos, sin = Rotary(cfg)(torch.tensor([0, 3, 17, 300, 2047]))
+    cos, sin = Rotary(cfg)(torch.tensor([0, 3, 17, 300, 2047]), torch.float32)
     qk = qkv[:, : 6 * 16].view(5, 6, 16)  # rows 128 floats apart, as split from q|k|v
     want = rotate(qk.clone(), cos, sin)
     v_before = qkv[:, 6 * 16 :].clone()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from engine.device import Event, cpu_thread
 from engine.request import SamplingParams
@@ -46,3 +47,27 @@ async def test_a_step_never_synchronises_the_compute_thread(
         deltas = await engine.generate([5, 6, 7], SamplingParams(max_tokens=8, temperature=0))
     assert sum(len(d.token_ids) for d in deltas) == 8
     assert results_on_the_compute_thread == []
+
+
+async def test_sampling_tensors_are_built_on_the_host_and_copied_by_the_stream(
+    tiny_target, monkeypatch
+):
+    """The event loop builds a batch's sampling tensors in host memory (pinned for a GPU);
+    the step's stream copies them (unpack), so the loop never waits for a device copy."""
+    from core.params import SamplingTensors
+
+    built = []
+    build = SamplingTensors.build.__func__
+
+    def recording(cls, params, seeds, device, vocab_size=None, pin=False):
+        built.append((str(device), pin))
+        return build(cls, params, seeds, device, vocab_size)  # no CUDA here to pin for
+
+    monkeypatch.setattr(SamplingTensors, "build", classmethod(recording))
+    async with running(make_config(tiny_target)) as engine:
+        engine.device = torch.device("cuda")  # as a GPU engine plans
+        engine._sampling_tensors([])
+        assert built[-1] == ("cpu", True)
+        engine.device = torch.device("cpu")
+        deltas = await engine.generate([5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
+    assert built[-1] == ("cpu", False) and sum(len(d.token_ids) for d in deltas) == 4
