@@ -1,13 +1,14 @@
-"""One forward of a real checkpoint beside its memory-bandwidth floor.
+"""Forwards of a real checkpoint, by rows, beside their floors.
 
-    python -m bench.forward --model DIR [--context 512] [--repeats 15] [--quantization int8]
-        [--out F.json]
+    python -m bench.forward [--model smollm2|demo|DIR] [--context 512] [--rows 1 5 9 16 32]
+        [--prefill 2000] [--repeats 15] [--quantization int8] [--out F.json]
 
-"A forward" is the target's one-token decode at batch 1 over a `context`-token paged KV
-cache (prefilled first); a verify of k + 1 rows over the same context is timed too. The
-model's weights are far larger than the last-level cache, so each forward streams them from
-memory, as in serving. The floor is the weight bytes read by a forward (every linear once,
-the embedding's one row aside) over this machine's read bandwidth (bench/bandwidth.py).
+A forward of R rows is the target's over one sequence's paged KV cache of `context` tokens:
+one row is a decode, k + 1 a verify, a tree's nodes a tree verify. Its floor is the larger of
+two: the weight bytes a forward reads (every linear once, the embedding's one row aside) over
+this machine's read bandwidth (bench/bandwidth.py), and the forward's multiply-adds (the
+linears', 2 x weights x rows) over its float32 product rate (a large matrix product's, here).
+A prefill of `--prefill` tokens into an empty cache is timed too (one chunk).
 """
 
 from __future__ import annotations
@@ -15,92 +16,116 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
 
 from bench.bandwidth import floor_seconds, measure_bandwidth
-from bench.common import text_table, timed
+from bench.common import paged_attention, text_table, timed
 from bench.model_step import OursDecode
-from models.linear import Int8Linear, PackedLinear
-from models.llama import LlamaModel, RMSNorm, prepare_for_inference
+from engine.builder import cache_dir, model_path
+from models import native
+from models.linear import FusedLinear, held_bytes
+from models.llama import LlamaModel, prepare_for_inference
 from models.loader import load_model
 
 
 def streamed_bytes(model: LlamaModel) -> int:
-    """Bytes of the weights one forward reads: every linear's (the lm_head's included, tied
-    to the embedding or not; int8 weights with their scales) and the norms'; of the
-    embedding table, one row."""
-    tensors: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        if isinstance(module, Int8Linear):
-            read = module.blocked if module.blocked is not None else module.weight
-            parts = [read, module.bias, module.scales]
-        elif isinstance(module, PackedLinear):
-            parts = [module.weight, module.bias]
-        elif isinstance(module, RMSNorm):
-            parts = [module.weight]
-        else:
-            continue
-        tensors |= {t.data_ptr(): t for t in parts if t is not None}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    """Bytes of the weights one forward reads: every product's (the lm_head's included) and
+    the norms'; of an untied embedding table, one row (so: all it holds, less the rest)."""
+    embed = getattr(model.embed_tokens, "weight", None)
+    untied = embed.numel() * embed.element_size() if embed is not None else 0
+    return held_bytes(model) - untied
 
 
-def measure(model_dir: Path, context: int, repeats: int, k: int, int8: bool = False) -> dict:
+def linear_weights(model: LlamaModel) -> int:
+    """Multiply-adds of one row through the linears (the lm_head's included: a verify's rows
+    all want logits)."""
+    return sum(
+        m.out_features * m.in_features for m in model.modules() if isinstance(m, FusedLinear)
+    )
+
+
+def product_flops(repeats: int = 5) -> float:
+    """This machine's float32 product rate in FLOP/s: the better of torch's large matrix
+    product and, where they built, the native kernels' product over weights the cache holds
+    (so that the weights' stream does not count twice)."""
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    calls = [(lambda: a @ b, 2 * 2048**3)]
+    if native.available():
+        x, w = torch.randn(64, 512), native.blocked(torch.randn(256, 512))
+        calls.append((lambda: native.linear(x, w, 256), 2 * 64 * 512 * 256))
+    rates = []
+    for fn, flop in calls:
+        fn()
+        rates.append(flop / statistics.median(timed(fn) for _ in range(repeats * 20)))
+    return max(rates)
+
+
+def measure(model: str, context: int, rows: list[int], prefill: int, repeats: int,
+            int8: bool = False) -> dict:  # fmt: skip
     torch.manual_seed(0)
     with torch.inference_mode():
-        model = load_model(model_dir, torch.float32, torch.device("cpu"))
-        prepare_for_inference(model, int8=int8)
-        vocab = model.config.vocab_size
-        decode = OursDecode(model, torch.randint(0, vocab, (1, context)))
-        one, rows = torch.randint(0, vocab, (1,)), torch.randint(0, vocab, (k + 1,))
-        verify = lambda: decode.forward(decode.tables, rows, start=decode.context)  # noqa: E731
-        step = lambda: decode.step(one)  # noqa: E731
-        for fn in (step, verify):
+        path = model_path(None if model == "demo" else model)
+        target = load_model(path, torch.float32, torch.device("cpu"), cache_dir())
+        prepare_for_inference(target, int8=int8)
+        vocab = target.config.vocab_size
+        start = time.perf_counter()
+        OursDecode(target, torch.randint(0, vocab, (1, prefill)))
+        prefill_s = time.perf_counter() - start
+        decode = OursDecode(target, torch.randint(0, vocab, (1, context + max(rows))))
+        heads = target.config.num_heads
+
+        def forward(ids: torch.Tensor, first: int) -> None:
+            """ids at positions first.. over the cache, with every row's logits (a verify's)"""
+            attn, positions = paged_attention(decode.tables, decode.cache, heads, first, len(ids))
+            hidden, _ = target(ids, positions, attn)
+            target.logits(hidden)
+
+        calls = {}
+        for r in rows:  # the last r positions, over the cache's first context + r - 1 keys
+            ids = torch.randint(0, vocab, (r,))
+            calls[r] = lambda ids=ids, first=decode.context - r: forward(ids, first)
+        for fn in calls.values():
             fn()
-        times: dict[str, list[float]] = {"decode": [], "verify": []}
-        for _ in range(repeats):  # interleaved: the machine's drift touches both alike
-            times["decode"].append(timed(step))
-            times["verify"].append(timed(verify))
-    weights = streamed_bytes(model)
-    bandwidth = measure_bandwidth()
-    floor = floor_seconds(weights, bandwidth)
-    decode_s = statistics.median(times["decode"])
-    return {
-        "model": str(model_dir),
-        "quantization": "int8" if int8 else None,
-        "context": context,
-        "weight_bytes": weights,
-        "bandwidth_bytes_per_s": bandwidth,
-        "floor_ms": floor * 1e3,
-        "decode_ms": decode_s * 1e3,
-        "verify_ms": statistics.median(times["verify"]) * 1e3,
-        "verify_rows": k + 1,
-        "decode_over_floor": decode_s / floor,
-    }
+        times: dict[int, list[float]] = {r: [] for r in rows}
+        for _ in range(repeats):  # interleaved: the machine's drift touches all alike
+            for r, fn in calls.items():
+                times[r].append(timed(fn))
+    bandwidth, flops = measure_bandwidth(), product_flops()
+    weights = streamed_bytes(target)
+    per_row = 2 * linear_weights(target)
+    result = {"model": model, "quantization": "int8" if int8 else None, "context": context,
+              "weight_bytes": weights, "bandwidth_bytes_per_s": bandwidth, "flop_per_s": flops,
+              "prefill_tokens": prefill, "prefill_ms": prefill_s * 1e3, "rows": {}}  # fmt: skip
+    for r in rows:
+        floor = max(floor_seconds(weights, bandwidth), per_row * r / flops)
+        ms = statistics.median(times[r]) * 1e3
+        result["rows"][r] = {"ms": ms, "floor_ms": floor * 1e3}
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, required=True, help="a Hugging Face directory")
+    parser.add_argument("--model", default="smollm2", help="smollm2, demo or a directory")
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 5, 9, 16, 32])
+    parser.add_argument("--prefill", type=int, default=2000, help="tokens of the timed prefill")
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--k", type=int, default=4, help="draft tokens of the timed verify")
     parser.add_argument("--quantization", choices=["int8"], help="weight-only int8 linears")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
-    r = measure(args.model, args.context, args.repeats, args.k, args.quantization == "int8")
-    header = ["weights MB", "GB/s", "floor ms", "decode ms", "x floor", "verify ms"]
-    row = [
-        f"{r['weight_bytes'] / 1e6:.0f}",
-        f"{r['bandwidth_bytes_per_s'] / 1e9:.1f}",
-        f"{r['floor_ms']:.1f}",
-        f"{r['decode_ms']:.1f}",
-        f"{r['decode_over_floor']:.2f}",
-        f"{r['verify_ms']:.1f} ({r['verify_rows']} rows)",
-    ]
-    print(text_table(header, [row]))
+    r = measure(args.model, args.context, args.rows, args.prefill, args.repeats,
+                args.quantization == "int8")  # fmt: skip
+    print(f"weights {r['weight_bytes'] / 1e6:.0f} MB, {r['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s,"
+          f" {r['flop_per_s'] / 1e9:.0f} GFLOP/s; prefill of {r['prefill_tokens']} tokens "
+          f"{r['prefill_ms']:.0f} ms")  # fmt: skip
+    one = r["rows"][min(r["rows"])]["ms"]
+    table = [[str(rows), f"{v['ms']:.1f}", f"{v['floor_ms']:.1f}", f"{v['ms'] / v['floor_ms']:.2f}",
+              f"{v['ms'] / one:.2f}"] for rows, v in r["rows"].items()]  # fmt: skip
+    print(text_table(["rows", "ms", "floor ms", "x floor", "x one row"], table))
     if args.out:
         args.out.write_text(json.dumps(r, indent=2) + "\n")
 

@@ -2,7 +2,7 @@
 
     python -m bench.quantization [--model DIR] [--prompts 8] [--max-tokens 64] [--windows 64]
 
-Two measures, float32 against weight-only int8 (models/linear.py: Int8Linear):
+Two measures, float32 against weight-only int8 (models/linear.py: FusedLinear's int8):
 - the demo target's mean next-token loss over held-out windows of the demo corpus (files the
   target never trained on), and its delta;
 - greedy agreement on a real model (`--model`, a Hugging Face directory): the engine without

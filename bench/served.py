@@ -25,6 +25,15 @@ def free_port() -> int:
 async def serving(command: Sequence[str], log: Path, timeout: float) -> AsyncIterator[str]:
     """Start the server (`command`, on a free port), yield its URL once /health answers 200,
     stop it on the way out. Its output goes to `log`."""
+    async with server_process(command, log, timeout) as (url, _):
+        yield url
+
+
+@contextlib.asynccontextmanager
+async def server_process(
+    command: Sequence[str], log: Path, timeout: float
+) -> AsyncIterator[tuple[str, subprocess.Popen]]:
+    """`serving`, yielding the process too."""
     port = free_port()
     command = [*command, "--port", str(port)]
     with open(log, "w") as out:
@@ -32,7 +41,7 @@ async def serving(command: Sequence[str], log: Path, timeout: float) -> AsyncIte
     url = f"http://127.0.0.1:{port}"
     try:
         await wait_healthy(url, process, log, timeout)
-        yield url
+        yield url, process
     finally:
         process.terminate()
         try:

@@ -29,6 +29,7 @@ from models.attention import AttentionBackend, InvariantAttention, TorchPagedAtt
 from models.eagle import load_eagle_head
 from models.flashinfer_backend import FlashInferBackend
 from models.gguf import packaged_smollm2
+from models.linear import held_bytes
 from models.llama import LlamaModel, prepare_for_inference
 from models.loader import load_model
 from models.mtp import load_mtp_head
@@ -122,6 +123,7 @@ class Built:
     scheduler: Scheduler
     stages: DeviceStages
     cost: CostModel | None  # chooses each step's k; None: k is fixed
+    memory: dict[str, int]  # bytes held: "weights" (target and drafter), "kv_cache" (theirs)
 
 
 class Builder:
@@ -132,6 +134,7 @@ class Builder:
         self.shard = group.shard if group is not None else None
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.torch_dtype)
+        self.memory = {"weights": 0, "kv_cache": 0}  # what prepare and cache_for made
 
     def build(self) -> Built:
         """Everything the engine runs (on the device's thread: model loading, calibration)."""
@@ -182,6 +185,7 @@ class Builder:
             scheduler=scheduler,
             stages=stages,
             cost=cost,
+            memory=dict(self.memory),
         )
 
     def prepare(self, model: Any, head: bool = False) -> None:
@@ -192,12 +196,13 @@ class Builder:
         if head and self.shard is not None:
             shard_module(model, self.shard, vocab=False)
         prepare_for_inference(model, cfg.batch_invariant, int8=cfg.quantization == "int8")
+        self.memory["weights"] += held_bytes(model)
 
     def cache_for(self, model: Any, num_pages: int) -> KVCache:
         """A KV cache of `num_pages` pages shaped for `model` (a target, draft model or head)."""
         cfg = model.config
         page_size = self.config.kv.page_size
-        return KVCache(
+        cache = KVCache(
             cfg.num_layers,
             num_pages,
             page_size,
@@ -206,6 +211,8 @@ class Builder:
             self.dtype,
             self.device,
         )
+        self.memory["kv_cache"] += cache.data.numel() * cache.data.element_size()
+        return cache
 
     def _calibration_cache(self, model_dir: Path) -> Path:
         """Where the cost model's curves are kept between starts when no --calibration is

@@ -169,7 +169,7 @@ def build_cost_model(
     saved = Calibration.read(path) if path else None
     if saved is not None:
         return CostModel(saved, k_max)
-    device = target.embed_tokens.weight.device
+    device = target.norm.weight.device
 
     def verify(num_tokens: int) -> None:
         ids = torch.zeros(num_tokens, dtype=torch.long, device=device)

@@ -78,6 +78,11 @@ class AsyncEngine:
         self.tracer = Tracer(config.trace_file, rank=None if group is None else group.rank)
         if group is not None:
             self.metrics.world_size.set(group.size)
+        for kind, size in built.memory.items():
+            self.metrics.memory_bytes.labels(kind=kind).set(size)
+        log.info(
+            "holding %s", ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in built.memory.items())
+        )
         self.publisher = Publisher(
             self.tokenizer,
             self.max_model_len,

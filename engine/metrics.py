@@ -60,6 +60,10 @@ class EngineMetrics:
         self.kv_pages_used = r.gauge("tandem_kv_pages_used", "KV pages held by requests.")
         self.kv_pages_free = r.gauge("tandem_kv_pages_free", "KV pages free.")
         self.kv_pages_total = r.gauge("tandem_kv_pages_total", "KV pages in the pool.")
+        self.memory_bytes = r.gauge(
+            "tandem_memory_bytes", "Bytes held: the weights, the KV cache (target and drafter).",
+            ["kind"],
+        )  # fmt: skip
         self.prompt_tokens = r.counter("tandem_prompt_tokens_total", "Prompt tokens prefilled.")
         self.generation_tokens = r.counter("tandem_generation_tokens_total", "Tokens generated.")
         self.requests_finished = r.counter(

@@ -45,7 +45,7 @@ class TorchPagedAttention:
     # forwards of at most this many queries a sequence (decodes, verifies, trees) attend
     # through the native kernel where it built, reading keys where the cache keeps them;
     # longer ones (prefill chunks) through SDPA, whose blocked products are faster there
-    native_max_q = 32
+    native_max_q = 64
 
     def __init__(self, meta: AttentionMetadata, cache: KVCache, num_q_heads: int):
         self.meta = meta

@@ -147,7 +147,7 @@ def load_eagle_head(
     norms = bool(raw.get(NORMS_KEY, False))
     cfg = config_from_hf(raw | {"num_hidden_layers": 1})
     state = {k: v for k, v in _read_weights(directory).items() if k not in IGNORED}
-    weight = target.embed_tokens.weight
+    weight = target.norm.weight  # the target's device and dtype
     head = EagleHead(cfg, target, norms, fc_bias="fc.bias" in state)
     kind = "normed (eagle_norms)" if norms else "SafeAILab EAGLE-1"
     _check_state(head, state, directory, kind)
@@ -307,7 +307,7 @@ class Eagle3Head(nn.Module):
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """[T, H] from the target's layer outputs concatenated [T, 3H]."""
-        return self.fc(aux.to(self.fc.weight.dtype))
+        return self.fc(aux.to(self.norm.weight.dtype))
 
     def forward(
         self,
@@ -411,7 +411,7 @@ def load_eagle3_head(
     if not (distinct and bool(head.t2d[ids].all()) and int(head.t2d.sum()) == draft_vocab):
         raise CheckpointError(f"EAGLE-3 head in {directory}: d2t and t2d disagree")
     head.draft_ids = ids
-    weight = target.embed_tokens.weight
+    weight = target.norm.weight  # the target's device and dtype
     head.to(device=device or weight.device, dtype=dtype or weight.dtype)  # d2t, t2d keep theirs
     head.rotary = Rotary(cfg).to(device or weight.device)
     return head.eval().requires_grad_(False)

@@ -14,6 +14,7 @@ import functools
 import hashlib
 import importlib.util
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from tokenizers import decoders, pre_tokenizers
 from tokenizers.models import BPE
 
 from models.llama import LlamaConfig, LlamaModel, Rotary
-from models.loader import CheckpointError
+from models.loader import CheckpointError, to_be_loaded
 
 # GPT-2's split, which ByteLevel(use_regex=True) applies itself
 GPT2 = "gpt2"
@@ -82,51 +83,64 @@ def is_gguf(path: str | Path) -> bool:
     return Path(path).suffix == ".gguf" and Path(path).is_file()
 
 
-def _reader(path: str | Path) -> Any:
-    """The file's reader, kept for the file's next reader (the weights and the tokenizer each
-    want one; parsing SmolLM2's metadata takes seconds): one per path, size and time."""
-    stat = Path(path).stat() if Path(path).is_file() else None
-    return _cached_reader(str(Path(path).resolve()), stat and (stat.st_size, stat.st_mtime_ns))
+@dataclass(frozen=True)
+class Metadata:
+    """What a GGUF file says besides its tensors' data: its fields' values and its tensors'
+    names."""
+
+    fields: dict[str, Any]
+    tensor_names: frozenset[str]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(key, default)
 
 
-@functools.lru_cache(maxsize=2)
-def _cached_reader(path: str, stamp: tuple[int, int] | None) -> Any:
+def _open(path: str | Path) -> Any:
     try:
-        return gguf.GGUFReader(path)
+        return gguf.GGUFReader(str(path))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} is not a readable GGUF file: {e}") from e
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _metadata(path: str | Path) -> Metadata:
+    """The file's metadata, kept for its next reader (the weights and the tokenizer each want
+    it; parsing SmolLM2's takes seconds): one per path, size and time. The reader itself is
+    not kept: its parse of the vocabulary holds about 150 MB."""
+    stat = Path(path).stat() if Path(path).is_file() else None
+    return _cached_metadata(str(Path(path).resolve()), stat and (stat.st_size, stat.st_mtime_ns))
 
 
-def config_from_gguf(reader: Any) -> LlamaConfig:
-    arch = _field(reader, "general.architecture")
+@functools.lru_cache(maxsize=2)
+def _cached_metadata(path: str, stamp: tuple[int, int] | None) -> Metadata:
+    reader = _open(path)
+    fields = {key: field.contents() for key, field in reader.fields.items()}
+    return Metadata(fields, frozenset(t.name for t in reader.tensors))
+
+
+def config_from_gguf(meta: Metadata) -> LlamaConfig:
+    arch = meta.get("general.architecture")
     if arch != "llama":
         raise CheckpointError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+    if "rope_freqs.weight" in meta.tensor_names:
         raise CheckpointError("GGUF rope_freqs (llama3 rope scaling) is not supported")
     key = lambda name: f"llama.{name}"  # noqa: E731
-    heads = _field(reader, key("attention.head_count"))
-    hidden = _field(reader, key("embedding_length"))
-    tokens = _field(reader, "tokenizer.ggml.tokens") or []
-    names = {t.name for t in reader.tensors}
+    heads = meta.get(key("attention.head_count"))
+    hidden = meta.get(key("embedding_length"))
+    tokens = meta.get("tokenizer.ggml.tokens") or []
     return LlamaConfig(
-        vocab_size=_field(reader, key("vocab_size"), len(tokens)),
+        vocab_size=meta.get(key("vocab_size"), len(tokens)),
         hidden_size=hidden,
-        intermediate_size=_field(reader, key("feed_forward_length")),
-        num_layers=_field(reader, key("block_count")),
+        intermediate_size=meta.get(key("feed_forward_length")),
+        num_layers=meta.get(key("block_count")),
         num_heads=heads,
-        num_kv_heads=_field(reader, key("attention.head_count_kv"), heads),
-        head_dim=_field(reader, key("attention.key_length"), hidden // heads),
-        rms_norm_eps=_field(reader, key("attention.layer_norm_rms_epsilon"), 1e-5),
-        rope_theta=_field(reader, key("rope.freq_base"), 10000.0),
-        max_position_embeddings=_field(reader, key("context_length"), 2048),
-        tie_word_embeddings="output.weight" not in names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        num_kv_heads=meta.get(key("attention.head_count_kv"), heads),
+        head_dim=meta.get(key("attention.key_length"), hidden // heads),
+        rms_norm_eps=meta.get(key("attention.layer_norm_rms_epsilon"), 1e-5),
+        rope_theta=meta.get(key("rope.freq_base"), 10000.0),
+        max_position_embeddings=meta.get(key("context_length"), 2048),
+        tie_word_embeddings="output.weight" not in meta.tensor_names,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
     )
 
 
@@ -166,16 +180,15 @@ def load_gguf_model(
     """A LlamaModel with the file's weights dequantized, then converted to `dtype`. With
     `cache_dir`, the dequantized weights are kept there as safetensors (named by the file's
     path, size and time) and read back on the next load instead of dequantized again."""
-    reader = _reader(path)
-    cfg = config_from_gguf(reader)
-    with torch.device("meta"):
+    cfg = config_from_gguf(_metadata(path))
+    with to_be_loaded():
         model = LlamaModel(cfg)
     expected = {n: tuple(p.shape) for n, p in model.state_dict().items()}
     cached = _cache_file(Path(path), cache_dir) if cache_dir else None
     if cached is not None and cached.exists():
         state = load_file(str(cached))
     else:
-        state = _dequantized(reader, cfg, expected)
+        state = _dequantized(_open(path), cfg, expected)
         if cached is not None:
             cached.parent.mkdir(parents=True, exist_ok=True)
             tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
@@ -222,16 +235,16 @@ def _cache_file(path: Path, cache_dir: Path) -> Path:
 def tokenizer_from_gguf(path: str | Path) -> dict[str, Any]:
     """The pieces of models.tokenizer.Tokenizer from a GGUF's metadata: `tokenizer` (a
     tokenizers.Tokenizer), `bos_token`, `eos_token`, `add_bos_token`, `chat_template`."""
-    reader = _reader(path)
-    kind = _field(reader, "tokenizer.ggml.model")
+    meta = _metadata(path)
+    kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise CheckpointError(f"GGUF tokenizer {kind!r} is not supported (only BPE, 'gpt2')")
-    pre = _field(reader, "tokenizer.ggml.pre", "default")  # llama.cpp's name when unset
+    pre = meta.get("tokenizer.ggml.pre", "default")  # llama.cpp's name when unset
     if pre not in PRE_TOKENIZERS:
         raise CheckpointError(f"GGUF pre-tokenizer {pre!r} is not supported")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
+    tokens = meta.get("tokenizer.ggml.tokens")
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     vocab = {token: i for i, token in enumerate(tokens)}
     tok = tokenizers.Tokenizer(BPE(vocab, merges, ignore_merges=False))
     tok.pre_tokenizer = _pre_tokenizer(PRE_TOKENIZERS[pre])
@@ -243,13 +256,13 @@ def tokenizer_from_gguf(path: str | Path) -> dict[str, Any]:
     ]
     tok.add_special_tokens([a for a in added if a.special])
     tok.add_tokens([a for a in added if not a.special])
-    token = lambda key: None if (i := _field(reader, key)) is None else tokens[i]  # noqa: E731
+    token = lambda key: None if (i := meta.get(key)) is None else tokens[i]  # noqa: E731
     return {
         "tokenizer": tok,
         "bos_token": token("tokenizer.ggml.bos_token_id"),
         "eos_token": token("tokenizer.ggml.eos_token_id"),
-        "add_bos_token": _field(reader, "tokenizer.ggml.add_bos_token"),
-        "chat_template": _field(reader, "tokenizer.chat_template"),
+        "add_bos_token": meta.get("tokenizer.ggml.add_bos_token"),
+        "chat_template": meta.get("tokenizer.chat_template"),
     }
 
 

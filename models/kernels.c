@@ -184,24 +184,26 @@ static inline float exp1(float x) { return expn(splatn(x))[0]; }
  * W is stored in blocks of 16 outputs: block b holds, for each input i, outputs 16b..16b+15
  * next to each other ([O / 16, I, 16], O padded to a multiple of 16 with zero rows), so a
  * block is one contiguous stream and a row of x meets each weight in one fused multiply-add
- * into a 16-lane accumulator: no horizontal sums, and up to 8 rows share each weight read
- * (a verify of k + 1 rows costs about what one row does while the weights stream from
- * memory). Float32 weights, or int8 with a scale per output (applied once at the end).
+ * into a 16-lane accumulator: no horizontal sums, and up to 16 rows share each weight read
+ * from the registers, up to GEMM_CHUNK from the cache (a verify of k + 1 rows, or a tree's,
+ * costs little more than one row while the weights stream from memory). Float32 weights, or int8 with a scale per output (applied once at the end).
  * Output blocks are shared by the threads. A row's result depends only on that row. */
 
-/* Products run GEMM_ROWS rows of x a pass over the weights, GEMM_PASS blocks a pass: the
- * accumulators (rows x blocks x halves native vectors) must stay in registers. AVX-512 has
- * 32 registers: 8 rows x 2 blocks. AVX2 has 16: 6 rows x 1 block x 2 halves, 2 for the
- * weights, 1 for x. Each output's sum runs over the inputs in order either way, so the
- * results do not depend on these. */
+/* A pass covers PASS_BLOCKS output blocks; the threads share the passes. Within a pass, rows
+ * go in tiles of up to TILE_ROWS, whose accumulators (rows x blocks x halves native vectors)
+ * stay in registers: AVX-512 has 32, for 8 rows x 2 blocks; AVX2 has 16, for 6 rows x 1
+ * block x 2 halves, a pass then being one block. (Tiles of 16 rows x 1 block, tiles taking
+ * turns on spans of the inputs, and the last tile prefetching the next pass's weights all
+ * measured no faster.) Each output's sum runs over the inputs in order whatever the
+ * tiling, so the results do not depend on it. */
 #ifdef __AVX512F__
-#define GEMM_ROWS 8
-#define GEMM_PASS 2
+#define TILE_ROWS 8
+#define PASS_BLOCKS 2
 #else
-#define GEMM_ROWS 6
-#define GEMM_PASS 1
+#define TILE_ROWS 6
+#define PASS_BLOCKS 1
 #endif
-#define GEMM_VECS (GEMM_PASS * HALVES) /* native vectors a row's pass accumulates */
+#define PASS_VECS (PASS_BLOCKS * HALVES) /* native vectors a row's pass accumulates */
 
 /* LANES int8 weights as floats: one sign extension and one conversion */
 static inline vn int8_weights(const int8_t *q) {
@@ -226,26 +228,26 @@ static inline vn int8_weights(const int8_t *q) {
 /* one input's weights for the pass's blocks, times each row's input, into the accumulators */
 #define GEMM_STEP(ROWS, LOAD)                                                                 \
     {                                                                                         \
-        vn w[GEMM_VECS];                                                                      \
-        for (int v = 0; v < GEMM_VECS; v++)                                                   \
+        vn w[PASS_VECS];                                                                      \
+        for (int v = 0; v < PASS_VECS; v++)                                                   \
             w[v] = LOAD((v / HALVES) * next + i * 16 + (v % HALVES) * LANES);                 \
         for (int m = 0; m < ROWS; m++) {                                                      \
             float xm = xr[m * in + i];                                                        \
-            for (int v = 0; v < GEMM_VECS; v++) acc[v][m] += xm * w[v];                       \
+            for (int v = 0; v < PASS_VECS; v++) acc[v][m] += xm * w[v];                       \
         }                                                                                     \
     }
 #define INT8_AT(offset) int8_weights(wq + base + (offset))
 #define FLOAT_AT(offset) loadn(wf + base + (offset))
 
-/* rows m0..m0+ROWS of the product for output blocks ob..ob+nb-1 (nb <= GEMM_PASS); ROWS a
+/* rows m0..m0+ROWS of the product for output blocks ob..ob+nb-1 (nb <= PASS_BLOCKS); ROWS a
  * constant, so that the accumulators stay in registers */
-#define GEMM_BLOCK(ROWS)                                                                      \
-    static void gemm_block_##ROWS(const float *x, const float *wf, const int8_t *wq,         \
-                                  const float *scales, const float *bias, float *y,           \
-                                  int64_t m0, int64_t in, int64_t out, int64_t ob,            \
-                                  int64_t nb) {                                               \
-        vn acc[GEMM_VECS][ROWS];                                                              \
-        for (int v = 0; v < GEMM_VECS; v++)                                                   \
+#define GEMM_TILE(ROWS)                                                                       \
+    static void gemm_tile_##ROWS(const float *x, const float *wf, const int8_t *wq,          \
+                                 const float *scales, const float *bias, float *y,            \
+                                 int64_t m0, int64_t in, int64_t out, int64_t ob,             \
+                                 int64_t nb) {                                                \
+        vn acc[PASS_VECS][ROWS];                                                              \
+        for (int v = 0; v < PASS_VECS; v++)                                                   \
             for (int m = 0; m < ROWS; m++) acc[v][m] = (vn){0};                               \
         int64_t base = ob * in * 16, next = nb > 1 ? in * 16 : 0;                             \
         const float *xr = x + m0 * in;                                                        \
@@ -272,38 +274,50 @@ static inline void store_row(const float *lanes, const float *scales, const floa
     }
 }
 
-GEMM_BLOCK(1)
-GEMM_BLOCK(2)
-GEMM_BLOCK(3)
-GEMM_BLOCK(4)
-GEMM_BLOCK(5)
-GEMM_BLOCK(6)
-#if GEMM_ROWS == 8
-GEMM_BLOCK(7)
-GEMM_BLOCK(8)
+GEMM_TILE(1)
+GEMM_TILE(2)
+GEMM_TILE(3)
+GEMM_TILE(4)
+GEMM_TILE(5)
+GEMM_TILE(6)
+#if TILE_ROWS == 8
+GEMM_TILE(7)
+GEMM_TILE(8)
 #endif
 
-typedef void (*gemm_block_fn)(const float *, const float *, const int8_t *, const float *,
-                              const float *, float *, int64_t, int64_t, int64_t, int64_t,
-                              int64_t);
-static const gemm_block_fn GEMM_BLOCKS[GEMM_ROWS + 1] = {
-    NULL,         gemm_block_1, gemm_block_2, gemm_block_3, gemm_block_4, gemm_block_5,
-    gemm_block_6,
-#if GEMM_ROWS == 8
-    gemm_block_7, gemm_block_8,
+typedef void (*gemm_tile_fn)(const float *, const float *, const int8_t *, const float *,
+                             const float *, float *, int64_t, int64_t, int64_t, int64_t,
+                             int64_t);
+static const gemm_tile_fn GEMM_TILES[TILE_ROWS + 1] = {
+    NULL,        gemm_tile_1, gemm_tile_2, gemm_tile_3, gemm_tile_4, gemm_tile_5,
+    gemm_tile_6,
+#if TILE_ROWS == 8
+    gemm_tile_7, gemm_tile_8,
 #endif
 };
+
+/* Rows go GEMM_CHUNK at a time, their inputs held in the cache; for each chunk the threads
+ * share the passes, and a pass's weights (in x 32 floats) are read from memory once for all
+ * of the chunk's tiles: a verify of up to GEMM_CHUNK rows streams the weights once, a
+ * prefill's rows re-read them once a chunk. A chunk's rows are split into equal tiles. */
+#define GEMM_CHUNK 64
 
 static void gemm(const float *x, const float *wf, const int8_t *wq, const float *scales,
                  const float *bias, float *y, int64_t m_rows, int64_t in, int64_t out,
                  int threads) {
-    int64_t blocks = (out + 15) / 16, passes = (blocks + GEMM_PASS - 1) / GEMM_PASS;
-    for (int64_t m0 = 0; m0 < m_rows; m0 += GEMM_ROWS) {
-        int64_t rows = m_rows - m0 < GEMM_ROWS ? m_rows - m0 : GEMM_ROWS;
+    int64_t blocks = (out + 15) / 16, passes = (blocks + PASS_BLOCKS - 1) / PASS_BLOCKS;
+    for (int64_t c0 = 0; c0 < m_rows; c0 += GEMM_CHUNK) {
+        int64_t rows = m_rows - c0 < GEMM_CHUNK ? m_rows - c0 : GEMM_CHUNK;
+        int64_t tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t pass = 0; pass < passes; pass++) {
-            int64_t ob = GEMM_PASS * pass, nb = blocks - ob < GEMM_PASS ? blocks - ob : GEMM_PASS;
-            GEMM_BLOCKS[rows](x, wf, wq, scales, bias, y, m0, in, out, ob, nb);
+            int64_t ob = PASS_BLOCKS * pass;
+            int64_t nb = blocks - ob < PASS_BLOCKS ? blocks - ob : PASS_BLOCKS;
+            for (int64_t t = 0, m0 = c0; t < tiles; t++) {
+                int64_t n = (rows * (t + 1)) / tiles - (rows * t) / tiles;
+                GEMM_TILES[n](x, wf, wq, scales, bias, y, m0, in, out, ob, nb);
+                m0 += n;
+            }
         }
     }
 }

@@ -1,19 +1,21 @@
-"""Inference-time projections: linears that read the same input fused into one product, with
-weights prepacked for oneDNN on the CPU.
+"""Inference-time projections: the linears that read the same input fused into one product
+(q|k|v, gate|up), each weight held once, in the layout its product reads.
 
-Why: a verify pass multiplies M = k + 1 rows per sequence by every weight. On the CPU, the
-default (MKL) product costs several times more at 2 <= M <= 8 than at M = 1 although the
-weights are read once either way, while oneDNN's prepacked path stays nearly flat up to
-M = 16 (`python -m bench.verify_cost`). A single row still goes to MKL, with W stored
-transposed ([I, O] in memory, W itself a view): MKL's one-row product over that layout is
-faster than over [O, I] and than the packed path (figures: bench/results/NOTES.md). Fusing
-q|k|v and gate|up also halves the calls, each of which costs tens of microseconds at the
-demo's shapes. Training never uses these (the prepacked path has no backward).
+On a CPU where the native kernels built (float32), that layout is the kernels' blocks
+(models/native.py: blocked), read by one product for every row count: a decode's one row, a
+verify's or a tree's few (the weights stream from memory once for up to 64 rows), a prefill
+chunk's hundreds (as fast as oneDNN's packed product there; `python -m bench.forward`). A
+row's result depends only on that row, so the same product serves `--batch-invariant`. A tied
+embedding looks its rows up in the lm_head's blocks. Elsewhere (CUDA, bfloat16, no compiler)
+the weight is the stacked [O, I] matrix and the product torch's. Weight-only int8
+(`--quantization int8`) stores int8 with a scale a row, in the same two layouts.
+
+Training never uses these: the originals are dropped when a model is prepared.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,119 +23,93 @@ from torch import nn
 
 from models import native
 
-PACK_ROWS_HINT = 8  # oneDNN picks its blocking for this many rows: verify passes are 2-16
-# A weight this large streams from memory whichever kernel reads it, and oneDNN's packed
-# layout streams it faster than MKL's one-row product (a real model's lm_head; bench.forward)
-PACKED_ONE_ROW_BYTES = 32 << 20
 
-
-class PackedLinear(nn.Module):
+class FusedLinear(nn.Module):
     """y = x @ W.T + b for x [T, I], with W [O, I] the given linears' weights stacked."""
 
-    weight: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, linears: Sequence[nn.Linear]):
+    def __init__(self, linears: Sequence[nn.Linear], int8: bool = False):
         super().__init__()
-        if len(linears) == 1:  # the same parameters: the state_dict keeps their names
-            self.weight, self.bias = linears[0].weight, linears[0].bias
-        else:  # stacked copies, outside the state_dict (the fused linears keep theirs)
-            stacked = torch.cat([lin.weight.detach() for lin in linears])  # [O, I]
-            self.register_buffer("weight", stacked, persistent=False)
-            biases = [lin.bias for lin in linears]
-            bias = None
-            if any(b is not None for b in biases):
-                bias = torch.cat(
-                    [b.detach() if b is not None else stacked.new_zeros(lin.out_features)
-                     for b, lin in zip(biases, linears, strict=True)]
-                )  # fmt: skip
-            self.register_buffer("bias", bias, persistent=False)
+        weights = [lin.weight.detach() for lin in linears]
+        weight = weights[0] if len(weights) == 1 else torch.cat(weights)  # one: W, not a copy
+        biases = [lin.bias for lin in linears]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat(
+                [b.detach() if b is not None else weight.new_zeros(lin.out_features)
+                 for b, lin in zip(biases, linears, strict=True)]
+            )  # fmt: skip
+        self.register_buffer("bias", bias, persistent=False)
         self.sizes = [lin.out_features for lin in linears]
-        self.packed = None
-        w = self.weight
-        self.one_row_packed = False  # whether a single row goes to oneDNN too
-        if (
-            w.device.type == "cpu"
-            and w.dtype == torch.float32
-            and torch.backends.mkldnn.is_available()
-        ):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
-            self.one_row_packed = w.numel() * w.element_size() >= PACKED_ONE_ROW_BYTES
-            # the one-row product reads W column by column: stored [I, O], MKL streams it
-            w.data = w.detach().t().contiguous().t()
+        self.out_features: int = weight.shape[0]
+        self.in_features: int = weight.shape[1]
+        self.dtype, self.device = weight.dtype, weight.device
+        scales = None
+        if int8:  # symmetric, a scale a row: the row's largest magnitude maps to 127
+            w = weight.float()
+            scales = (w.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+            weight = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+            scales = scales.to(self.dtype)
+        # exactly one of: the kernels' blocks (with padded scales), or W (with scales)
+        self.blocked: torch.Tensor | None = None
+        self.weight: torch.Tensor | None = None
+        self.scales: torch.Tensor | None = None
+        if native.usable(linears[0].weight):
+            self.blocked = native.blocked(weight)
+            self.scales = native.padded(scales) if scales is not None else None
+        else:
+            self.weight, self.scales = weight.contiguous(), scales
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or (x.shape[0] == 1 and not self.one_row_packed):
+        if self.blocked is not None:
+            return native.linear(x, self.blocked, self.out_features, self.bias, self.scales)
+        assert self.weight is not None
+        if self.scales is None:
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(
-            x.contiguous(), self.packed, self.bias, "none", [], ""
-        )
+        y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight, self.scales)
+        return y if self.bias is None else y + self.bias
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The product split back into the fused linears' outputs."""
         return self(x).split_with_sizes(self.sizes, -1)  # (Tensor.split wraps it in Python)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """W[ids] [*ids.shape, I] (a float weight's: a tied embedding's lookup)."""
+        if self.scales is not None:
+            raise ValueError("an int8 weight's rows are not an embedding")
+        if self.blocked is not None:  # row o is column o % 16 of block o // 16
+            return self.blocked[ids // native.BLOCK, :, ids % native.BLOCK]
+        assert self.weight is not None
+        return F.embedding(ids, self.weight)
 
-class Int8Linear(nn.Module):
-    """A PackedLinear's product with weight-only int8: W ~ scales * Q, Q int8 [O, I] with one
-    scale a row (symmetric: the row's largest magnitude maps to 127), x and the result float;
-    a quarter of float32's bytes (`--quantization int8`). The product is the native kernels'
-    over blocked weights where they built, else torch's `aten._weight_int8pack_mm`."""
 
-    def __init__(self, linear: PackedLinear):
+class TiedEmbedding(nn.Module):
+    """An embedding whose table is the lm_head's weight, read where the lm_head keeps it."""
+
+    def __init__(self, head: FusedLinear):
         super().__init__()
-        w = linear.weight.detach().float()
-        scales = (w.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        self.register_buffer("weight", q.contiguous(), persistent=False)
-        self.register_buffer("scales", scales.to(linear.weight.dtype), persistent=False)
-        self.bias = linear.bias
-        self.sizes = linear.sizes
-        self.out_features = q.shape[0]
-        # the native kernels' layout (models/native.py: blocked): they stream int8 at the
-        # memory's rate, torch's kernel ran SmolLM2's forward at 18x its floor
-        self.blocked: torch.Tensor | None = None
-        self.blocked_scales: torch.Tensor | None = None
-        if native.usable(linear.weight):
-            self.blocked, self.blocked_scales = native.blocked(q), native.padded(scales)
-            self.weight = q.new_empty(0)  # only the blocked copy is read
+        self.head = head
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.blocked is not None:
-            return native.linear(x, self.blocked, self.out_features, self.bias, self.blocked_scales)
-        y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight, self.scales)
-        return y if self.bias is None else y + self.bias
-
-    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self(x).split_with_sizes(self.sizes, -1)
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head.rows(ids)
 
 
-def quantize_int8(module: nn.Module) -> None:
-    """Every PackedLinear below `module` swapped for its Int8Linear (a tied lm_head gets its
-    own int8 copy; the embedding it shares stays float)."""
+def fuse_linears(module: nn.Module, int8: bool = False) -> None:
+    """Every plain nn.Linear below `module` swapped for its FusedLinear, the original
+    dropped (its weight freed once nothing else holds it)."""
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, PackedLinear):
-                setattr(parent, name, Int8Linear(child))
+            if type(child) is nn.Linear:
+                setattr(parent, name, FusedLinear([child], int8))
 
 
-def make_batch_invariant(module: nn.Module) -> None:
-    """Every PackedLinear below `module` takes oneDNN's packed product for one row too: its
-    result for a row is then the same bits whatever the number of rows (MKL's one-row
-    product rounds differently), which `--batch-invariant` needs."""
+def held_bytes(module: nn.Module) -> int:
+    """Bytes of the distinct storages `module` keeps: its parameters, buffers and products'
+    weights (a weight shared by two of them counted once)."""
+    tensors = [*module.parameters(), *module.buffers()]
     for sub in module.modules():
-        if isinstance(sub, PackedLinear):
-            if sub.packed is None:
-                raise ValueError(
-                    "batch-invariant mode needs float32 weights on a CPU with oneDNN "
-                    f"(got {sub.weight.dtype} on {sub.weight.device})"
-                )
-            sub.one_row_packed = True
-
-
-def pack_linears(module: nn.Module, skip: Collection[nn.Module] = ()) -> None:
-    """Swap every plain nn.Linear below `module` (but those in `skip`) for a PackedLinear."""
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child not in skip:
-                setattr(parent, name, PackedLinear([child]))
+        if isinstance(sub, FusedLinear):
+            tensors += [t for t in (sub.blocked, sub.weight, sub.scales) if t is not None]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())

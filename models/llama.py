@@ -17,13 +17,7 @@ from torch import nn
 
 from models import native
 from models.attention import Attention, TorchPagedAttention
-from models.linear import (
-    Int8Linear,
-    PackedLinear,
-    make_batch_invariant,
-    pack_linears,
-    quantize_int8,
-)
+from models.linear import FusedLinear, TiedEmbedding, fuse_linears
 
 
 @dataclass(frozen=True)
@@ -115,11 +109,12 @@ class SelfAttention(nn.Module):
         )
         h, bias = cfg.hidden_size, cfg.attention_bias
         inp = in_features or h
-        self.q_proj = nn.Linear(inp, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(inp, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(inp, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=False)
-        self.qkv: PackedLinear | None = None  # q|k|v fused for inference (prepare_for_inference)
+        # q, k and v: the checkpoint's (training's); replaced by qkv when prepared
+        self.q_proj: nn.Linear | None = nn.Linear(inp, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj: nn.Linear | None = nn.Linear(inp, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj: nn.Linear | None = nn.Linear(inp, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj: nn.Module = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=False)
+        self.qkv: FusedLinear | None = None  # q|k|v fused for inference (prepare_for_inference)
         self.native = False  # rotary through models/kernels.c (prepare_for_inference)
 
     def forward(
@@ -127,6 +122,7 @@ class SelfAttention(nn.Module):
     ) -> torch.Tensor:
         t, heads, d = x.shape[0], (self.num_heads, self.num_kv_heads), self.head_dim
         if self.qkv is None:
+            assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
             qk, v = torch.cat((self.q_proj(x), self.k_proj(x)), -1), self.v_proj(x)
         else:
             qk, v = self.qkv(x).split_with_sizes((sum(heads) * d, heads[1] * d), -1)
@@ -141,10 +137,16 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.gate_up: PackedLinear | None = None  # gate|up fused for inference
+        self.intermediate_size = cfg.intermediate_size
+        # gate and up: the checkpoint's (training's); replaced by gate_up when prepared
+        self.gate_proj: nn.Linear | None = nn.Linear(
+            cfg.hidden_size, cfg.intermediate_size, bias=False
+        )
+        self.up_proj: nn.Linear | None = nn.Linear(
+            cfg.hidden_size, cfg.intermediate_size, bias=False
+        )
+        self.down_proj: nn.Module = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up: FusedLinear | None = None  # gate|up fused for inference
         self.native = False  # silu(gate) * up through models/kernels.c
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,6 +154,7 @@ class MLP(nn.Module):
             assert self.gate_up is not None
             return self.down_proj(native.silu_mul(self.gate_up(x)))
         if self.gate_up is None:
+            assert self.gate_proj is not None and self.up_proj is not None
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
             gate, up = self.gate_up.split(x)
@@ -178,29 +181,41 @@ class DecoderLayer(nn.Module):
 def prepare_for_inference(
     module: nn.Module, batch_invariant: bool = False, int8: bool = False
 ) -> None:
-    """Fuse q|k|v and gate|up and pack every linear below `module` (models/linear.py), and
-    run norms, rotary and silu(gate) * up through the native kernels where they can, a
-    model's forwards of a few tokens through its NativeDecoder (models/native.py); the outputs
-    equal the plain forward's up to float rounding. `batch_invariant`: every linear takes
-    oneDNN's packed product (make_batch_invariant), so no NativeDecoder. `int8`: every
-    linear weight-only int8 (quantize_int8).
-    Inference only: no backward."""
-    fused: set[nn.Module] = set()
+    """Make `module` (a model or head) ready to serve, each weight held once in the layout its
+    product reads (models/linear.py): q|k|v and gate|up fused, every linear a FusedLinear
+    (the originals dropped), a tied embedding read from the lm_head's weight; norms, rotary
+    and silu(gate) * up through the native kernels where they can, a model's forwards of a
+    few tokens through its NativeDecoder. The outputs equal the plain forward's up to float
+    rounding. `batch_invariant`: a row's result the same bits however it is batched, which
+    the kernels' products are (no NativeDecoder: the engine's attention is its own). `int8`:
+    every linear weight-only int8 (a tied embedding stays float).
+    Inference only: no backward, and the checkpoint's names are gone."""
     for sub in list(module.modules()):
         if isinstance(sub, SelfAttention) and sub.qkv is None:
-            sub.qkv = PackedLinear([sub.q_proj, sub.k_proj, sub.v_proj])
-            fused |= {sub.q_proj, sub.k_proj, sub.v_proj}
+            assert sub.q_proj is not None and sub.k_proj is not None and sub.v_proj is not None
+            sub.qkv = FusedLinear([sub.q_proj, sub.k_proj, sub.v_proj], int8)
+            sub.q_proj = sub.k_proj = sub.v_proj = None
         elif isinstance(sub, MLP) and sub.gate_up is None:
-            sub.gate_up = PackedLinear([sub.gate_proj, sub.up_proj])
-            fused |= {sub.gate_proj, sub.up_proj}
-    pack_linears(module, skip=fused)
-    if batch_invariant:
-        make_batch_invariant(module)
-    if int8:
-        quantize_int8(module)
+            assert sub.gate_proj is not None and sub.up_proj is not None
+            sub.gate_up = FusedLinear([sub.gate_proj, sub.up_proj], int8)
+            sub.gate_proj = sub.up_proj = None
+    tied = isinstance(module, LlamaModel) and module.lm_head.weight is module.embed_tokens.weight
+    fuse_linears(module, int8)
+    if tied and not int8:
+        assert isinstance(module, LlamaModel) and isinstance(module.lm_head, FusedLinear)
+        module.embed_tokens = TiedEmbedding(module.lm_head)  # type: ignore[assignment]
+    for kept in [*module.parameters(), *module.buffers()]:
+        if kept.device.type == "cpu":  # its own memory: a checkpoint's file mapping let go
+            kept.data = kept.data.clone()
+    fused = [sub for sub in module.modules() if isinstance(sub, FusedLinear)]
+    if batch_invariant and any(lin.blocked is None for lin in fused):
+        raise ValueError("batch-invariant mode needs the native kernels (float32 on a CPU)")
     for sub in module.modules():
-        if isinstance(sub, RMSNorm | SelfAttention | MLP):
-            sub.native = native.usable(*sub.parameters())
+        if isinstance(sub, RMSNorm):
+            sub.native = native.usable(sub.weight)
+        elif isinstance(sub, SelfAttention | MLP):  # float32 on the CPU, as their products
+            product = sub.qkv if isinstance(sub, SelfAttention) else sub.gate_up
+            sub.native = product is not None and product.blocked is not None
     for sub in module.modules():
         if isinstance(sub, Stacked) and not batch_invariant:
             sub.decoder = NativeDecoder.of(sub.stack())
@@ -242,12 +257,12 @@ def run_layers(
     return x, aux
 
 
-DECODER_MAX_TOKENS = 8  # a forward of at most this many tokens runs through NativeDecoder
+DECODER_MAX_TOKENS = 64  # a forward of at most this many tokens runs through NativeDecoder
 
 
 class NativeDecoder:
     """A stack of decoder layers run for a few tokens (a decode, a verify of k + 1 rows, a
-    small batch) in one native call (models/kernels.c: decode_layers): there a layer's
+    tree, a batch of them) in one native call (models/kernels.c: decode_layers): there a layer's
     dozen small torch operations cost more than its products, which the kernels' blocked
     products stream as fast as torch's."""
 
@@ -259,7 +274,7 @@ class NativeDecoder:
         self.aux_flags: dict[tuple[int, ...], tuple[torch.Tensor, int]] = {}
         first = layers[0].self_attn
         self.shape = (first.num_heads, first.num_kv_heads, first.head_dim)
-        self.inter = layers[0].mlp.gate_proj.out_features
+        self.inter = layers[0].mlp.intermediate_size
         self.eps = layers[0].post_attention_layernorm.eps
 
     @classmethod
@@ -272,15 +287,11 @@ class NativeDecoder:
 
         def linear(lin: nn.Module) -> list[int] | None:
             """(weight, scales, bias) pointers of a product the kernels can run."""
-            if isinstance(lin, Int8Linear) and lin.blocked is not None:
-                weight, scales = lin.blocked, lin.blocked_scales
-            elif isinstance(lin, PackedLinear) and lin.packed is not None:
-                weight, scales = native.blocked(lin.weight.detach()), None
-            else:
+            if not (isinstance(lin, FusedLinear) and lin.blocked is not None):
                 return None
-            bias = lin.bias.detach().contiguous() if lin.bias is not None else None
-            keep.extend(t for t in (weight, scales, bias) if t is not None)
-            return [t.data_ptr() if t is not None else 0 for t in (weight, scales, bias)]
+            bias = lin.bias.contiguous() if lin.bias is not None else None
+            keep.extend(t for t in (lin.blocked, lin.scales, bias) if t is not None)
+            return [t.data_ptr() if t is not None else 0 for t in (lin.blocked, lin.scales, bias)]
 
         for layer in layers:
             attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
@@ -288,10 +299,7 @@ class NativeDecoder:
                 return None
             assert attn.qkv is not None and mlp.gate_up is not None  # prepared
             norms = [n for n in (norm, layer.post_attention_layernorm) if isinstance(n, RMSNorm)]
-            if len({n.eps for n in norms}) != 1 or any(
-                isinstance(lin, PackedLinear) and lin.one_row_packed
-                for lin in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)
-            ):
+            if len({n.eps for n in norms}) != 1:
                 return None
             products = [linear(m) for m in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)]
             if any(p is None for p in products):
@@ -331,7 +339,10 @@ class Rotary(nn.Module):
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # on the meta device (a model to be loaded) a placeholder: the loader computes it
+        placeholder = torch.get_default_device().type == "meta"
+        inv_freq = torch.empty(cfg.head_dim // 2) if placeholder else rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from models.llama import LlamaConfig, LlamaModel, Rotary
 from models.parallel import Shard, shard_module
@@ -33,6 +34,30 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # buffers some older checkpoints carry; we recompute them
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+# what nn.Linear and nn.Embedding initialise their weights with
+INITIALISERS = ("kaiming_uniform_", "uniform_", "normal_")
+
+
+@contextlib.contextmanager
+def to_be_loaded() -> Iterator[None]:
+    """Modules built inside are placeholders for weights loaded next: on the meta device, not
+    initialised (an initialiser of a meta tensor computes nothing, yet imports torch's
+    compiler, about 150 MB resident for the life of the process)."""
+    saved = {name: getattr(nn.init, name) for name in INITIALISERS}
+    try:
+        for name in INITIALISERS:
+            setattr(nn.init, name, _untouched)
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, initialiser in saved.items():
+            setattr(nn.init, name, initialiser)
+
+
+def _untouched(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return tensor
 
 
 class CheckpointError(ValueError):
@@ -260,7 +285,7 @@ def load_model(
 
         return load_gguf_model(directory, dtype, device, cache_dir)
     cfg = config_from_hf(read_config(directory))
-    with torch.device("meta"):
+    with to_be_loaded():
         model = LlamaModel(cfg)
     if shard is not None:
         with contextlib.ExitStack() as files:

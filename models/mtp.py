@@ -48,6 +48,7 @@ from models.loader import (
     config_to_hf,
     iter_safetensors,
     read_config,
+    to_be_loaded,
 )
 
 ARCHITECTURE = "TandemMTPHead"
@@ -130,8 +131,8 @@ def load_mtp_head(directory: str | Path, target: LlamaModel) -> MTPHead:
             f"the MTP head in {directory} has hidden size {cfg.hidden_size}, "
             f"the target {target.config.hidden_size}"
         )
-    weight = target.embed_tokens.weight
-    with torch.device("meta"):
+    weight = target.norm.weight  # the target's device and dtype
+    with to_be_loaded():
         head = MTPHead(cfg, target)
     expected = {name: tuple(p.shape) for name, p in head.state_dict().items()}
     state = _load_layer(directory, layer, expected, weight.dtype, weight.device)

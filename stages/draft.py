@@ -85,7 +85,7 @@ def refill_columns(num_accepted: torch.Tensor, width: int) -> int:
 
 def probe_head(head: Any, num_tokens: int) -> None:
     """Time-probe of an EAGLE or MTP head: forward(ids, hidden, positions, attn), then logits."""
-    weight = head.target.embed_tokens.weight
+    weight = head.target.norm.weight  # the target's device and dtype
     ids = torch.zeros(num_tokens, dtype=torch.long, device=weight.device)
     hidden = torch.zeros(num_tokens, head.config.hidden_size, dtype=weight.dtype, device=ids.device)
     head.logits(head(ids, hidden, ids, CausalAttention(num_tokens, 1)))

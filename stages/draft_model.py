@@ -35,7 +35,7 @@ class DraftModelDrafter:
         self.attention = attention
         self.sampled = sampled
         vocab = model.config.vocab_size
-        device = model.embed_tokens.weight.device
+        device = model.norm.weight.device
         self.deferred = torch.zeros(max_rows, vocab, device=device)  # [rows, V]
 
     def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int]] | None:

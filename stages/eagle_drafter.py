@@ -44,8 +44,8 @@ class EagleDrafter:
         self.cache = cache  # one layer, indexed by the engine's page ids
         self.attention = attention
         self.sampled = sampled
-        weight = head.target.embed_tokens.weight
-        h, vocab = weight.shape[1], head.target.config.vocab_size
+        weight = head.target.norm.weight  # the target's device and dtype
+        h, vocab = weight.shape[0], head.target.config.vocab_size
         self.deferred_logits = weight.new_zeros(max_rows, vocab)  # [rows, V]
         self.deferred_hidden = weight.new_zeros(max_rows, h)  # [rows, H] head feature at n-1
         # target feature of the last token of each row's latest prompt chunk: the next chunk

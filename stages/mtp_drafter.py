@@ -41,7 +41,7 @@ class MTPDrafter:
         self.cache = cache
         self.attention = attention
         self.sampled = sampled
-        weight = head.eh_proj.weight
+        weight = head.enorm.weight  # the head's device and dtype
         size, vocab = head.config.hidden_size, head.config.vocab_size
         self.logits = torch.zeros(max_rows, vocab, device=weight.device)  # [rows, V] deferred
         # deferred head hidden at `base` (block output), fed back for the second draft token

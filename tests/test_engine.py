@@ -137,3 +137,18 @@ async def test_failing_stage_errors_its_requests_and_engine_goes_on(tiny_target)
         assert second[-1].finish_reason is FinishReason.LENGTH
         await engine.wait_idle()
         assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+async def test_metrics_report_the_weights_and_kv_cache_held(tiny_target, tiny_draft):
+    """The target's and the draft model's bytes: their prepared tensors, and their caches."""
+    from models.linear import held_bytes
+
+    async with running(make_config(tiny_target, "draft", tiny_draft)) as engine:
+        draft = engine.drafter.model
+        weights = held_bytes(engine.model) + held_bytes(draft)
+        caches = [engine.stages.verifier.cache.data, engine.drafter.cache.data]
+        value = engine.metrics.registry.value
+        assert value("tandem_memory_bytes", kind="weights") == weights
+        assert value("tandem_memory_bytes", kind="kv_cache") == sum(
+            c.numel() * c.element_size() for c in caches
+        )
