@@ -238,7 +238,8 @@ async def read_body(request: web.Request) -> Any:
         return await off_loop(parse_json, await read_bytes(request))
     # Large bodies go through one lane, one at a time and at LARGE_BODY_RATE at most (refused
     # ones too): a flood of them then waits in the sockets (TCP backpressure) instead of taking
-    # the event loop, a core and the GIL from the streams that run (bench.stream_gaps).
+    # the event loop, a core and the GIL from the streams that run (docs/performance.md: One-off
+    # studies).
     async with request.app[LARGE_BODIES]:
         start, raw = time.monotonic(), b""
         try:

@@ -22,13 +22,40 @@ from pathlib import Path
 import torch
 
 from bench.bandwidth import floor_seconds, measure_bandwidth
-from bench.common import paged_attention, text_table, timed
-from bench.model_step import OursDecode
+from bench.common import paged_attention, paged_tables, text_table, timed
 from engine.builder import cache_dir, model_path
+from kv.cache import KVCache
+from kv.table import PageTable
 from models import native
 from models.linear import FusedLinear, held_bytes
 from models.llama import LlamaModel, prepare_for_inference
 from models.loader import load_model
+
+PAGE_SIZE = 16
+
+
+class OursDecode:
+    """Our forward over a paged cache already holding `context` tokens of each sequence."""
+
+    def __init__(self, model: LlamaModel, prompts: torch.Tensor):  # prompts [B, context]
+        cfg = model.config
+        batch, self.context = prompts.shape
+        allocator, self.tables = paged_tables(batch, self.context + 1, PAGE_SIZE)
+        self.model = model
+        self.cache = KVCache(
+            cfg.num_layers, allocator.num_pages, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim
+        )
+        for table, prompt in zip(self.tables, prompts, strict=True):  # prefill one by one
+            self.forward([table], prompt, start=0)
+
+    def forward(self, tables: list[PageTable], ids: torch.Tensor, start: int) -> torch.Tensor:
+        """Each table's sequence gets len(ids) // len(tables) tokens from `start` on; [B, vocab]."""
+        q_len = ids.shape[0] // len(tables)
+        attn, positions = paged_attention(
+            tables, self.cache, self.model.config.num_heads, start, q_len
+        )
+        hidden, _ = self.model(ids, positions, attn)
+        return self.model.logits(hidden[q_len - 1 :: q_len])
 
 
 def streamed_bytes(model: LlamaModel) -> int:

@@ -78,7 +78,9 @@ class Delta:
 
 @dataclass
 class Request:
-    """Host-side state of one request; the scheduler and the stages own its fields."""
+    """Host-side state of one request. Its output (`output_ids`, `finish_reason`) is written
+    by its OutputStream alone (engine/output.py), its progress (`inflight`, `acceptance`) by
+    the scheduler alone (engine/scheduler.py); the rest never changes."""
 
     request_id: str
     prompt_ids: list[int]

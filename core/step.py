@@ -35,8 +35,8 @@ class PageTable(Protocol):
 
 @dataclass
 class Sequence:
-    """Host-side state of one admitted request. Its counters change in two places only: the
-    scheduler (admission, planning) and the publisher (a step's tokens reach the host)."""
+    """Host-side state of one admitted request, written by the scheduler alone
+    (engine/scheduler.py: admission, planning, a step landing, release)."""
 
     request: Request
     table: PageTable

@@ -61,7 +61,7 @@ class SpecConfig:
     # accepts well (the verify batch holds tree_nodes + 1 rows per sequence)
     tree: str = "chain"
     # dynamic tree: N nodes; a verify of N + 1 rows costs more than a one-token step, and
-    # the more so the larger N (bench/tree_attention.py, bench/results/NOTES.md)
+    # the more so the larger N (docs/performance.md: One-off studies; bench/results/NOTES.md)
     tree_nodes: int = 8
     tree_depth: int = 4  # dynamic tree: levels drafted; acceptance rarely runs deeper
     tree_topk: int = 4  # dynamic tree: children per expanded node, nodes expanded per level

@@ -1,15 +1,17 @@
 """AsyncEngine: submit/abort/stream, and the loops that overlap the host with the device.
 
-A step runs plan -> draft -> verify -> sample -> refill -> publish. The plan loop schedules a
-batch, plans it on the event loop and hands it to the executor (engine/executor.py), which
-queues its device work on the compute stream; then it passes the step to the publish loop,
+A step runs plan -> draft -> verify -> sample -> refill -> publish. The plan loop has the
+planner (engine/planner.py) plan the scheduler's next batch on the event loop and hands it to
+the executor (engine/executor.py), which queues its device work on the compute stream; then
+it passes the step to the publish loop,
 which waits (without blocking the loop) for the step's tokens to reach the host and hands
 them to the publisher (engine/publish.py). The plan of step N+1 needs only step N's accepted
 lengths (speculative decoding) or nothing of step N at all (plain decoding, which assumes
 every sequence grows by one, and MTP's one-token mode, which assumes no draft was accepted and
 lets the device correct that), so it runs while the device still works on step N. The draft
 length of each step is the cost model's choice (engine/cost.py). Models, caches and stages are
-made by the builder (engine/builder.py).
+made by the builder (engine/builder.py); when the engine stops serving is the supervisor's
+call (engine/supervisor.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import contextlib
 import hashlib
 import itertools
 import logging
-import operator
 import sys
 import time
 from collections.abc import Callable
@@ -27,20 +28,20 @@ from typing import Any
 
 import torch
 
-from core.params import SamplingTensors
 from core.request import Delta, Request
-from core.step import Batch, Plan, Sequence, StepKind
+from core.step import Plan, StepKind
 from engine.builder import Builder
 from engine.config import EngineConfig
 from engine.device import Event, run_on_device
 from engine.executor import Executor, Packed, StepRun
 from engine.metrics import EngineMetrics
 from engine.parallel import Group
+from engine.planner import Planner
 from engine.publish import Publisher, RequestStream
 from engine.request import EngineFailed, InvalidRequest, Overloaded, SamplingParams
+from engine.supervisor import Supervisor
 from engine.trace import Tracer
 from models.parallel import traffic
-from stages.plan import draft_cap, make_plan, pack
 
 log = logging.getLogger("tandem.engine")
 
@@ -92,12 +93,27 @@ class AsyncEngine:
             ended=self._wake_planner,
         )
         self.outputs = self.publisher.outputs  # live requests, by id
+        self.supervisor = Supervisor(
+            config.max_failed_steps, config.watchdog_s, lambda: list(self.outputs),
+            self.publisher.fail, watch,
+        )  # fmt: skip
+        self.planner = Planner(
+            self.scheduler, self.drafter, self.cost, self.k, config.kv.page_size,
+            self.vocab_size, self.device, self.no_sync, self._record, self.publisher.fail,
+            self.supervisor.count_failure,
+        )  # fmt: skip
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
-        # supervision: the cause once the engine cannot serve any more, and its signal
-        self.failure: str | None = None
-        self.failed = asyncio.Event()
-        self._failed_steps = 0  # consecutive steps that failed (the circuit breaker's count)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine stopped serving; None while it serves."""
+        return self.supervisor.failure
+
+    @property
+    def failed(self) -> asyncio.Event:
+        """Set once the engine stops serving."""
+        return self.supervisor.failed
 
     # ---- the public interface ----
 
@@ -110,18 +126,15 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._published = -1  # the last step whose tokens reached the requests
         self._publishes = asyncio.Event()  # set at each publish
-        self._progress = time.monotonic()  # the last step's end, or when work last arrived
         self._completed: dict[int, StepRun] = {}  # steps whose pages wait for their device work
-        # the last batch's requests and the sampling tensors built for them
-        self._sampling: tuple[list[Request], SamplingTensors] | None = None
         handed = asyncio.Queue[StepRun]()  # steps handed to the device, in order
         self._tasks = [
             asyncio.create_task(self._plan_loop(handed), name="plan"),
             asyncio.create_task(self._publish_loop(handed), name="publish"),
-            asyncio.create_task(self._watchdog(), name="watchdog"),
+            asyncio.create_task(self.supervisor.watchdog(), name="watchdog"),
         ]
         for task in self._tasks:
-            task.add_done_callback(self._loop_ended)
+            task.add_done_callback(self.supervisor.loop_ended)
 
     async def stop(self) -> None:
         for request_id in list(self.outputs):
@@ -155,7 +168,7 @@ class AsyncEngine:
         seed = params.seed if params.seed is not None else self._derived_seed(request_id)
         request = Request(request_id, ids, params, seed, time.monotonic())
         if not self.outputs:  # the watchdog counts from the first pending request
-            self._progress = time.monotonic()
+            self.supervisor.arrived()
         stream = self.publisher.add(request)
         self.scheduler.add(request)
         self.metrics.add_tokens(prompt=len(ids))
@@ -222,11 +235,10 @@ class AsyncEngine:
             except Exception as error:  # a failed stage fails its step's requests only
                 log.error("step %d failed on the device", plan.step, exc_info=error)
                 self.publisher.fail_step(plan, f"{type(error).__name__}: {error}")
-                self._step_failed()
+                self.supervisor.step_ended(failed=True)
             else:
                 self.publisher.publish(plan, outcome, time.monotonic())
-                self._failed_steps = 0
-            self._progress = time.monotonic()
+                self.supervisor.step_ended(failed=False)
             if not self.config.pipelined:  # the next plan waits for the whole step
                 await _settled(run.done)
             # the loop wakes once a step: the refill's end is seen by the next publish or plan
@@ -251,93 +263,11 @@ class AsyncEngine:
     def _record(self, *args: Any, **fields: Any) -> None:
         self.tracer.record(*args, **fields)  # the tracer may be replaced (tests, benchmarks)
 
-    # ---- planning ----
-
     def _plan(self, step: int) -> tuple[Plan, Packed] | None:
-        """The step's plan and its packed buffer; None when there is nothing to run. A plan
-        that fails fails its requests (planning each alone finds the culprits), and the step
-        is planned again without them."""
-        start = time.perf_counter()
+        """The step's plan (engine/planner.py), once the pages of the steps that ended are
+        back; None when there is nothing to run."""
         self._release_completed()
-        batch = self.scheduler.schedule(step)
-        if batch is None:
-            return None
-        try:
-            plan = self._make_plan(step, batch)
-            packed = pack(plan.fields)
-        except Exception as error:  # noqa: BLE001 - a plan's fault fails requests, not the loop
-            self._plan_failed(step, batch, error)
-            return self._plan(step)  # at once, without the failed requests
-        self.scheduler.planned(batch, plan.emits)
-        self.tracer.record(
-            step,
-            "plan",
-            start,
-            time.perf_counter(),
-            batch_size=len(batch.seqs),
-            num_tokens=plan.num_tokens,
-            kind=batch.kind,
-            k=plan.k,
-        )
-        return plan, packed
-
-    def _make_plan(self, step: int, batch: Batch) -> Plan:
-        """What the device needs for the batch's step: no state changes but a cache."""
-        k = self._draft_length(batch.seqs) if batch.kind == StepKind.DECODE else 0
-        return make_plan(
-            batch,
-            step,
-            k,
-            self.config.kv.page_size,
-            self._sampling_tensors(batch.seqs),
-            self.drafter.host_drafts(batch.seqs, k) if k else None,
-            [int(self.no_sync and s.request.inflight > 0) for s in batch.seqs],
-        )
-
-    def _plan_failed(self, step: int, batch: Batch, error: Exception) -> None:
-        """Fail the requests whose own plan fails (planned alone); when none does, the fault
-        is the step's, and every request of the batch fails."""
-        culprits = [s for s in batch.seqs if self._fails_alone(step, batch, s)]
-        message = f"the request could not be planned: {type(error).__name__}: {error}"
-        if culprits:
-            ids = [s.request.request_id for s in culprits]
-            log.warning("step %d: %s failed its plan: %s", step, ids, error)
-        else:
-            log.error("step %d could not be planned", step, exc_info=error)
-            self._step_failed()
-        for seq in culprits or batch.seqs:
-            seq.last_step = step - 1  # the step never ran: its pages wait for step - 1 only
-            self.publisher.fail(seq.request.request_id, message)
-
-    def _fails_alone(self, step: int, batch: Batch, seq: Sequence) -> bool:
-        chunk = batch.chunks[batch.seqs.index(seq)]
-        try:
-            pack(self._make_plan(step, Batch(batch.kind, [seq], [chunk])).fields)
-        except Exception:  # noqa: BLE001 - any fault of its own plan is the request's
-            return True
-        return False
-
-    def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
-        """The batch's sampling tensors; the previous step's when it ran the same requests in
-        the same order (decoding steps mostly do, and building them is a large share of a
-        step's host time at batch 1: bench/results/NOTES.md)."""
-        requests, cached = [s.request for s in seqs], self._sampling
-        if cached is not None and len(cached[0]) == len(requests):
-            if all(map(operator.is_, requests, cached[0])):
-                return cached[1]
-        params, seeds = [r.params for r in requests], [r.seed for r in requests]
-        # on the host: the step's stream copies them to the device (stages/plan.py unpack),
-        # so that the event loop never waits for a device copy
-        cuda = self.device.type == "cuda"
-        tensors = SamplingTensors.build(params, seeds, "cpu", self.vocab_size, pin=cuda)
-        self._sampling = (requests, tensors)
-        return tensors
-
-    def _draft_length(self, seqs: list[Sequence]) -> int:
-        if self.cost is None:
-            return self.k
-        caps = [draft_cap(s, self.k) for s in seqs]
-        return self.cost.choose([s.request.acceptance.rate for s in seqs], caps)
+        return self.planner.plan(step)
 
     def _release_completed(self) -> None:
         """Hand back the pages of the steps whose device work has ended, in step order, and
@@ -359,47 +289,6 @@ class AsyncEngine:
         allocator = self.allocator
         self.metrics.set_requests(len(self.scheduler.running), len(self.scheduler.waiting))
         self.metrics.set_kv_pages(allocator.num_pages - allocator.num_free, allocator.num_pages)
-
-    # ---- supervision ----
-
-    def _step_failed(self) -> None:
-        """The circuit breaker: a run of failed steps (a sticky device error, a broken model)
-        stops the engine instead of failing every request that comes."""
-        self._failed_steps += 1
-        if self._failed_steps >= self.config.max_failed_steps:
-            self._stop_serving(f"{self._failed_steps} steps in a row failed")
-
-    async def _watchdog(self) -> None:
-        """Stop the engine when no step completes for watchdog_s while requests wait."""
-        limit = self.config.watchdog_s
-        while True:
-            await asyncio.sleep(min(1.0 if self.watch is None else 0.2, limit / 4))
-            if self.watch is not None and (failure := self.watch()) is not None:
-                self._stop_serving(f"tensor parallelism: {failure}")
-                return
-            if not self.outputs:
-                self._progress = time.monotonic()
-            elif time.monotonic() - self._progress > limit:
-                pending = len(self.outputs)
-                self._stop_serving(f"no step completed for {limit:g} s with {pending} requests")
-                return
-
-    def _loop_ended(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and (error := task.exception()) is not None:
-            name = task.get_name()
-            log.error("the %s loop failed", name, exc_info=error)
-            self._stop_serving(f"the {name} loop failed: {type(error).__name__}: {error}")
-
-    def _stop_serving(self, cause: str) -> None:
-        """The engine cannot serve any more: fail what runs, refuse what comes, and tell the
-        server (which answers /health with 503 and exits, for a supervisor to restart it)."""
-        if self.failure is not None:
-            return
-        log.error("the engine stops serving: %s", cause)
-        self.failure = cause
-        for request_id in list(self.outputs):
-            self.publisher.fail(request_id, f"the engine stopped: {cause}")
-        self.failed.set()
 
 
 async def _settled(event: Event) -> None:

@@ -7,7 +7,8 @@ from models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class OutputStream:
-    """One request's output: finish checks, incremental text and stop strings.
+    """One request's output: finish checks, incremental text and stop strings. It is the one
+    writer of the request's `output_ids` and `finish_reason`.
 
     Stop strings are never streamed, even when split across tokens: text that could be the
     start of a stop string is held back until the next tokens decide it. The output ends with
@@ -81,6 +82,12 @@ class OutputStream:
         keep = _partial_stop(text, self.params.stop)
         self.held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]
+
+    def count_drafts(self, drafted: int, accepted: int) -> None:
+        """A speculative step's drafts, in the usage the request reports."""
+        self.usage.spec_steps += 1
+        self.usage.draft_tokens += drafted
+        self.usage.accepted_tokens += accepted
 
     def finish(self, reason: FinishReason, error: str | None = None) -> Delta:
         """The last delta of a request ended from outside (abort, error)."""

@@ -1,9 +1,9 @@
 """Publishing: a step's outcome reaches its requests.
 
-The publisher owns every live request's output (detokenising, stop strings, usage) and the
-stream its client reads. Besides the scheduler it is the only code that changes a sequence's
-counters: a published step's tokens move from pending to committed. It ends requests
-(finished, aborted, failed) and hands their pages back to the scheduler.
+The publisher turns a step's outcome into each request's deltas (through its OutputStream,
+which owns the output: its tokens, text and finish) and events (the client's stream, the
+metrics). What a step did to the request's lifecycle (tokens committed, the request ended)
+it reports to the scheduler, which owns that state.
 """
 
 from __future__ import annotations
@@ -77,18 +77,16 @@ class Publisher:
         decode = plan.kind == StepKind.DECODE
         for i, seq in enumerate(plan.seqs):
             emitted = outcome.emitted[i]
-            self._landed(plan, i, seq, emitted)
+            self.scheduler.landed(seq, plan.emits[i], emitted)
             output = self.outputs.get(seq.request.request_id)
             if output is None or seq.request.finish_reason is not None or not emitted:
                 continue
             if plan.k:
                 accepted = outcome.accepted[i]
-                output.usage.spec_steps += 1
-                output.usage.draft_tokens += plan.num_drafts[i]
-                output.usage.accepted_tokens += accepted
-                seq.request.acceptance.observe(plan.num_drafts[i], accepted)
+                output.count_drafts(plan.num_drafts[i], accepted)
+                self.scheduler.observe(seq.request, plan.num_drafts[i], accepted)
             elif self.cost is not None and decode:  # the cost model chose k = 0
-                seq.request.acceptance.idle()
+                self.scheduler.observe(seq.request, None)
             tokens = outcome.tokens[i][:emitted]
             delta = output.add(tokens, _logprobs(outcome, i, emitted, seq))
             self._observe_latency(output, len(delta.token_ids), now)
@@ -103,7 +101,7 @@ class Publisher:
     def fail_step(self, plan: Plan, message: str) -> None:
         """A step whose device work failed: its requests fail."""
         for i, seq in enumerate(plan.seqs):
-            self._landed(plan, i, seq, 0)
+            self.scheduler.landed(seq, plan.emits[i], 0)
             self.fail(seq.request.request_id, message)
 
     def fail(self, request_id: str, message: str) -> None:
@@ -124,21 +122,9 @@ class Publisher:
             self._send(last)
         del self.outputs[request.request_id]
         self.streams.pop(request.request_id, None)
-        if request in self.scheduler.waiting:
-            self.scheduler.waiting.remove(request)
-        for seq in list(self.scheduler.running):
-            if seq.request is request:
-                self.scheduler.release(seq, seq.last_step + 1)
+        self.scheduler.finish(request)
         self.metrics.finish(request.finish_reason or FinishReason.ABORT)
         self.ended()
-
-    @staticmethod
-    def _landed(plan: Plan, i: int, seq: Sequence, emitted: int) -> None:
-        """Sequence i's step has reached the host: its pending tokens become `emitted`
-        committed ones (the counterpart of Scheduler.planned)."""
-        seq.request.inflight -= 1
-        seq.num_pending -= int(plan.emits[i])
-        seq.num_tokens += emitted
 
     def _observe_latency(self, output: OutputStream, num_tokens: int, now: float) -> None:
         self.metrics.add_tokens(generated=num_tokens)

@@ -70,6 +70,33 @@ class Scheduler:
             seq.num_prefilled += chunk
             seq.num_pending += int(emitting)
 
+    def landed(self, seq: Sequence, emits: bool, emitted: int) -> None:
+        """A step of `seq` has reached the host: its pending token (where it `emits`) becomes
+        `emitted` committed ones (the counterpart of `planned`)."""
+        seq.request.inflight -= 1
+        seq.num_pending -= int(emits)
+        seq.num_tokens += emitted
+
+    def observe(self, request: Request, drafted: int | None, accepted: int = 0) -> None:
+        """What a decode step's drafts did for the request's acceptance estimate (the cost
+        model's); `drafted` None: the cost model chose not to draft."""
+        if drafted is None:
+            request.acceptance.idle()
+        else:
+            request.acceptance.observe(drafted, accepted)
+
+    def unplanned(self, seq: Sequence, step: int) -> None:
+        """The step was planned but never ran: the sequence's pages wait for the one before."""
+        seq.last_step = step - 1
+
+    def finish(self, request: Request) -> None:
+        """The request has ended: out of the queue, or its sequence dropped (its pages return
+        after the steps that write them)."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        for seq in [s for s in self.running if s.request is request]:
+            self.release(seq, seq.last_step + 1)
+
     def slots_needed(self, num_tokens: int) -> int:
         """Slots a request of num_tokens committed tokens holds before its next decode step."""
         return num_tokens + self.lookahead + 1

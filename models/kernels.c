@@ -306,10 +306,13 @@ static void gemm(const float *x, const float *wf, const int8_t *wq, const float 
                  const float *bias, float *y, int64_t m_rows, int64_t in, int64_t out,
                  int threads) {
     int64_t blocks = (out + 15) / 16, passes = (blocks + PASS_BLOCKS - 1) / PASS_BLOCKS;
+    /* one team for all chunks, which need not wait for each other: a team's start and end
+     * are what cost most when the threads share their cores with another process */
+#pragma omp parallel num_threads(threads)
     for (int64_t c0 = 0; c0 < m_rows; c0 += GEMM_CHUNK) {
         int64_t rows = m_rows - c0 < GEMM_CHUNK ? m_rows - c0 : GEMM_CHUNK;
         int64_t tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp for schedule(static) nowait
         for (int64_t pass = 0; pass < passes; pass++) {
             int64_t ob = PASS_BLOCKS * pass;
             int64_t nb = blocks - ob < PASS_BLOCKS ? blocks - ob : PASS_BLOCKS;

@@ -201,7 +201,8 @@ def prepare_for_inference(
             sub.gate_proj = sub.up_proj = None
     tied = isinstance(module, LlamaModel) and module.lm_head.weight is module.embed_tokens.weight
     fuse_linears(module, int8)
-    if tied and not int8:
+    # (a vocabulary split over tensor-parallel ranks keeps its embedding's rows apart)
+    if tied and not int8 and isinstance(getattr(module, "lm_head", None), FusedLinear):
         assert isinstance(module, LlamaModel) and isinstance(module.lm_head, FusedLinear)
         module.embed_tokens = TiedEmbedding(module.lm_head)  # type: ignore[assignment]
     for kept in [*module.parameters(), *module.buffers()]:

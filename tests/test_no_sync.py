@@ -65,9 +65,9 @@ async def test_sampling_tensors_are_built_on_the_host_and_copied_by_the_stream(
 
     monkeypatch.setattr(SamplingTensors, "build", classmethod(recording))
     async with running(make_config(tiny_target)) as engine:
-        engine.device = torch.device("cuda")  # as a GPU engine plans
-        engine._sampling_tensors([])
+        engine.planner.device = torch.device("cuda")  # as a GPU engine plans
+        engine.planner.sampling_tensors([])
         assert built[-1] == ("cpu", True)
-        engine.device = torch.device("cpu")
+        engine.planner.device = torch.device("cpu")
         deltas = await engine.generate([5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
     assert built[-1] == ("cpu", False) and sum(len(d.token_ids) for d in deltas) == 4

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-import engine.engine as engine_module
+import engine.planner as planner_module
 from engine.request import EngineFailed, FinishReason, SamplingParams
 from tests.engine_util import make_config, running, token_ids
 
@@ -28,14 +28,14 @@ async def test_a_request_whose_plan_fails_fails_alone(tiny_target, method):
     draft = tiny_target if method == "draft" else None
     async with running(make_config(tiny_target, method, draft)) as engine:
         alone = [token_ids(await engine.generate(p, GREEDY)) for p in PROMPTS]
-        build = engine._sampling_tensors
+        build = engine.planner.sampling_tensors
 
         def hostile(seqs):
             if any(s.request.request_id == "hostile" for s in seqs):
                 raise OverflowError("Python int too large to convert to C long")
             return build(seqs)
 
-        engine._sampling_tensors = hostile
+        engine.planner.sampling_tensors = hostile
         streams = [engine.submit(p, GREEDY) for p in PROMPTS[:2]]
         streams.append(engine.submit([9, 9], GREEDY, request_id="hostile"))
         streams.append(engine.submit(PROMPTS[2], GREEDY))
@@ -54,7 +54,7 @@ async def test_a_plan_fault_of_the_step_fails_its_requests_and_the_next_step_run
 ):
     async with running(make_config(tiny_target)) as engine:
         faults = []
-        make_plan = engine_module.make_plan
+        make_plan = planner_module.make_plan
 
         def flaky(batch, step, *args):
             if step == 4 and not faults:  # the step's fault, whoever is in it
@@ -62,7 +62,7 @@ async def test_a_plan_fault_of_the_step_fails_its_requests_and_the_next_step_run
                 raise RuntimeError("injected plan fault")
             return make_plan(batch, step, *args)
 
-        monkeypatch.setattr(engine_module, "make_plan", flaky)
+        monkeypatch.setattr(planner_module, "make_plan", flaky)
         with caplog.at_level(logging.ERROR, logger="tandem.engine"):
             ends = await asyncio.gather(*(engine.generate(p, GREEDY) for p in PROMPTS))
         assert faults == [4]

@@ -1,0 +1,129 @@
+"""Planning: the next step's batch from the scheduler, made into a Plan on the host
+(stages/plan.py) and packed for the device. A plan that fails fails its requests (planning
+each alone finds the culprits; when none fails alone, the fault is the step's and all of
+them fail), and the step is planned again without them.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from core.params import SamplingTensors
+from core.request import Request
+from core.step import Batch, Plan, Sequence, StepKind
+from engine.cost import CostModel
+from engine.executor import Packed
+from engine.scheduler import Scheduler
+from stages.plan import draft_cap, make_plan, pack
+
+log = logging.getLogger("tandem.engine")
+
+
+class Planner:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        drafter: Any,  # stages.draft.Drafter: its host drafts (n-gram)
+        cost: CostModel | None,  # chooses each step's k; None: k is fixed
+        k: int,  # the most draft tokens a step
+        page_size: int,
+        vocab_size: int,
+        device: torch.device,
+        no_sync: bool,  # MTP's one-token mode: steps planned before the last one's tokens
+        record: Callable[..., None],  # the step timeline's (engine/trace.py)
+        fail: Callable[[str, str], None],  # fail a request: its id and the message
+        step_failed: Callable[[], None],  # the circuit breaker's count
+    ):
+        self.scheduler, self.drafter, self.cost = scheduler, drafter, cost
+        self.k, self.page_size, self.vocab_size = k, page_size, vocab_size
+        self.device, self.no_sync = device, no_sync
+        self.record, self.fail, self.step_failed = record, fail, step_failed
+        # the last batch's requests and the sampling tensors built for them
+        self._sampling: tuple[list[Request], SamplingTensors] | None = None
+
+    def plan(self, step: int) -> tuple[Plan, Packed] | None:
+        """The step's plan and its packed buffer; None when there is nothing to run."""
+        start = time.perf_counter()
+        batch = self.scheduler.schedule(step)
+        if batch is None:
+            return None
+        try:
+            plan = self._make_plan(step, batch)
+            packed = pack(plan.fields)
+        except Exception as error:  # noqa: BLE001 - a plan's fault fails requests, not the loop
+            self._plan_failed(step, batch, error)
+            return self.plan(step)  # at once, without the failed requests
+        self.scheduler.planned(batch, plan.emits)
+        self.record(
+            step,
+            "plan",
+            start,
+            time.perf_counter(),
+            batch_size=len(batch.seqs),
+            num_tokens=plan.num_tokens,
+            kind=batch.kind,
+            k=plan.k,
+        )
+        return plan, packed
+
+    def _make_plan(self, step: int, batch: Batch) -> Plan:
+        """What the device needs for the batch's step: no state changes but a cache."""
+        k = self._draft_length(batch.seqs) if batch.kind == StepKind.DECODE else 0
+        return make_plan(
+            batch,
+            step,
+            k,
+            self.page_size,
+            self.sampling_tensors(batch.seqs),
+            self.drafter.host_drafts(batch.seqs, k) if k else None,
+            [int(self.no_sync and s.request.inflight > 0) for s in batch.seqs],
+        )
+
+    def _plan_failed(self, step: int, batch: Batch, error: Exception) -> None:
+        culprits = [s for s in batch.seqs if self._fails_alone(step, batch, s)]
+        message = f"the request could not be planned: {type(error).__name__}: {error}"
+        if culprits:
+            ids = [s.request.request_id for s in culprits]
+            log.warning("step %d: %s failed its plan: %s", step, ids, error)
+        else:
+            log.error("step %d could not be planned", step, exc_info=error)
+            self.step_failed()
+        for seq in culprits or batch.seqs:
+            self.scheduler.unplanned(seq, step)
+            self.fail(seq.request.request_id, message)
+
+    def _fails_alone(self, step: int, batch: Batch, seq: Sequence) -> bool:
+        chunk = batch.chunks[batch.seqs.index(seq)]
+        try:
+            pack(self._make_plan(step, Batch(batch.kind, [seq], [chunk])).fields)
+        except Exception:  # noqa: BLE001 - any fault of its own plan is the request's
+            return True
+        return False
+
+    def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        """The batch's sampling tensors; the previous step's when it ran the same requests in
+        the same order (decoding steps mostly do, and building them is a large share of a
+        step's host time at batch 1: bench/results/NOTES.md)."""
+        requests, cached = [s.request for s in seqs], self._sampling
+        if cached is not None and len(cached[0]) == len(requests):
+            if all(map(operator.is_, requests, cached[0])):
+                return cached[1]
+        params, seeds = [r.params for r in requests], [r.seed for r in requests]
+        # on the host: the step's stream copies them to the device (stages/plan.py unpack),
+        # so that the event loop never waits for a device copy
+        cuda = self.device.type == "cuda"
+        tensors = SamplingTensors.build(params, seeds, "cpu", self.vocab_size, pin=cuda)
+        self._sampling = (requests, tensors)
+        return tensors
+
+    def _draft_length(self, seqs: list[Sequence]) -> int:
+        if self.cost is None:
+            return self.k
+        caps = [draft_cap(s, self.k) for s in seqs]
+        return self.cost.choose([s.request.acceptance.rate for s in seqs], caps)
