@@ -48,14 +48,17 @@ class OursDecode:
         for table, prompt in zip(self.tables, prompts, strict=True):  # prefill one by one
             self.forward([table], prompt, start=0)
 
-    def forward(self, tables: list[PageTable], ids: torch.Tensor, start: int) -> torch.Tensor:
-        """Each table's sequence gets len(ids) // len(tables) tokens from `start` on; [B, vocab]."""
+    def forward(
+        self, tables: list[PageTable], ids: torch.Tensor, start: int, every_row: bool = False
+    ) -> torch.Tensor:
+        """Each table's sequence gets len(ids) // len(tables) tokens from `start` on; the
+        logits of each sequence's last row [B, vocab], or of every row (a verify's)."""
         q_len = ids.shape[0] // len(tables)
         attn, positions = paged_attention(
             tables, self.cache, self.model.config.num_heads, start, q_len
         )
         hidden, _ = self.model(ids, positions, attn)
-        return self.model.logits(hidden[q_len - 1 :: q_len])
+        return self.model.logits(hidden if every_row else hidden[q_len - 1 :: q_len])
 
 
 def streamed_bytes(model: LlamaModel) -> int:
@@ -102,18 +105,10 @@ def measure(model: str, context: int, rows: list[int], prefill: int, repeats: in
         OursDecode(target, torch.randint(0, vocab, (1, prefill)))
         prefill_s = time.perf_counter() - start
         decode = OursDecode(target, torch.randint(0, vocab, (1, context + max(rows))))
-        heads = target.config.num_heads
-
-        def forward(ids: torch.Tensor, first: int) -> None:
-            """ids at positions first.. over the cache, with every row's logits (a verify's)"""
-            attn, positions = paged_attention(decode.tables, decode.cache, heads, first, len(ids))
-            hidden, _ = target(ids, positions, attn)
-            target.logits(hidden)
-
         calls = {}
         for r in rows:  # the last r positions, over the cache's first context + r - 1 keys
-            ids = torch.randint(0, vocab, (r,))
-            calls[r] = lambda ids=ids, first=decode.context - r: forward(ids, first)
+            ids, first = torch.randint(0, vocab, (r,)), decode.context - r
+            calls[r] = lambda ids=ids, first=first: decode.forward(decode.tables, ids, first, True)
         for fn in calls.values():
             fn()
         times: dict[int, list[float]] = {r: [] for r in rows}

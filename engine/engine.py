@@ -63,7 +63,7 @@ class AsyncEngine:
         process); `watch`: what has failed among the other ranks (None: nothing yet), which
         stops the engine (parallel.Workers.check)."""
         self.config = config
-        self.group, self.watch = group, watch
+        self.group = group
         self.device = torch.device(config.device)
         built = run_on_device(self.device, Builder(config, group).build)
         self.model, self.tokenizer, self.model_name = built.model, built.tokenizer, built.model_name

@@ -44,13 +44,12 @@ class FusedLinear(nn.Module):
         self.sizes = [lin.out_features for lin in linears]
         self.out_features: int = weight.shape[0]
         self.in_features: int = weight.shape[1]
-        self.dtype, self.device = weight.dtype, weight.device
         scales = None
         if int8:  # symmetric, a scale a row: the row's largest magnitude maps to 127
             w = weight.float()
             scales = (w.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
             weight = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-            scales = scales.to(self.dtype)
+            scales = scales.to(linears[0].weight.dtype)
         # exactly one of: the kernels' blocks (with padded scales), or W (with scales)
         self.blocked: torch.Tensor | None = None
         self.weight: torch.Tensor | None = None

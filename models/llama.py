@@ -202,8 +202,7 @@ def prepare_for_inference(
     tied = isinstance(module, LlamaModel) and module.lm_head.weight is module.embed_tokens.weight
     fuse_linears(module, int8)
     # (a vocabulary split over tensor-parallel ranks keeps its embedding's rows apart)
-    if tied and not int8 and isinstance(getattr(module, "lm_head", None), FusedLinear):
-        assert isinstance(module, LlamaModel) and isinstance(module.lm_head, FusedLinear)
+    if tied and not int8 and isinstance(module.lm_head, FusedLinear):
         module.embed_tokens = TiedEmbedding(module.lm_head)  # type: ignore[assignment]
     for kept in [*module.parameters(), *module.buffers()]:
         if kept.device.type == "cpu":  # its own memory: a checkpoint's file mapping let go
