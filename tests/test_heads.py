@@ -61,12 +61,14 @@ def store(target, tmp_path_factory):
 
 
 def test_store_holds_the_targets_outputs(target, store):
-    data = head_data.load_split(store, "train")
+    shards = head_data.load_split(store, "train")
+    assert len(shards) == len(list((store / "train").glob("shard-*.safetensors"))) == 3
+    names = ("tokens", "hidden", "topk_ids", "aux")
+    data = {name: head_train.HeadData(shards).gather(name) for name in names}
     assert data["tokens"].shape == (8, WINDOW)
     assert data["hidden"].shape == (8, WINDOW, target.config.hidden_size)
     assert data["hidden"].dtype == torch.float16 and data["topk_ids"].dtype == torch.int16
     assert data["aux"].shape == (8, WINDOW, 2 * target.config.hidden_size)
-    assert len(list((store / "train").glob("shard-*.safetensors"))) == 3
     ids = data["tokens"][:2].long()
     positions, attn = torch.arange(WINDOW).repeat(2), CausalAttention(2, WINDOW)
     hidden, aux = target(ids.flatten(), positions, attn, CFG.aux_layers)
@@ -219,16 +221,25 @@ async def test_validation_is_the_engines(kind, tiny_target, trained_heads, monke
 
 
 def test_learning_curve_subsets_nest():
-    data = head_train.HeadData({
-        "tokens": torch.arange(40).reshape(20, 2),
-        "hidden": torch.zeros(20, 2, 4),
-        "topk_logits": torch.zeros(20, 2, 3),
-        "topk_ids": torch.zeros(20, 2, 3, dtype=torch.int32),
-    })  # fmt: skip
+    def shard(first, n):  # window w holds tokens (2w, 2w + 1)
+        return {
+            "tokens": torch.arange(2 * first, 2 * (first + n)).reshape(n, 2),
+            "hidden": torch.zeros(n, 2, 4),
+            "topk_logits": torch.zeros(n, 2, 3),
+            "topk_ids": torch.zeros(n, 2, 3, dtype=torch.int32),
+        }
+
+    data = head_train.HeadData([shard(0, 8), shard(8, 8), shard(16, 4)])
     sizes = {f: data.subset(f, seed=5) for f in (0.125, 0.25, 0.5, 1.0)}
     firsts = {f: {int(t) for t in d.tokens[:, 0]} for f, d in sizes.items()}
     assert [len(d) for d in sizes.values()] == [2, 5, 10, 20]
     assert firsts[0.125] <= firsts[0.25] <= firsts[0.5] <= firsts[1.0]
+    assert data.batch(torch.tensor([19, 3, 8]))["tokens"].tolist() == [[38, 39], [6, 7], [16, 17]]
+    assert set(data.without("hidden").batch(torch.tensor([0]))) == {
+        "tokens",
+        "topk_logits",
+        "topk_ids",
+    }
     with pytest.raises(ValueError, match="fraction"):
         data.subset(0, seed=0)
 

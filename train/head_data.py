@@ -153,10 +153,10 @@ def precompute(
             tmp.rename(path)
 
 
-def load_split(data_dir: Path, split: str) -> dict[str, torch.Tensor]:
-    """All shards of a split, concatenated along the window dimension."""
+def load_split(data_dir: Path, split: str) -> list[dict[str, torch.Tensor]]:
+    """The shards of a split, each mapped from its file: a shard's pages are read when a batch
+    touches them, so a store larger than the memory trains (the page cache holds what fits)."""
     paths = sorted((data_dir / split).glob("shard-*.safetensors"))
     if not paths:
         raise FileNotFoundError(f"no shards in {data_dir / split}: run `precompute` first")
-    shards = [load_file(str(p)) for p in paths]
-    return {name: torch.cat([s[name] for s in shards]) for name in shards[0]}
+    return [load_file(str(p)) for p in paths]

@@ -116,17 +116,45 @@ def head_kind(head: Head) -> str:
 
 
 class HeadData:
-    """One precomputed split in memory (tensors as `train.head_data` stores them)."""
+    """Windows of one precomputed split: its shards' tensors (as `train.head_data` stores them,
+    mapped from their files) and the (shard, row) of each window this set holds."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.tokens = tensors["tokens"]  # [N, S] int32
-        self.hidden = tensors["hidden"]  # [N, S, H] float16
-        self.topk_logits = tensors["topk_logits"]  # [N, S, K] float16
-        self.topk_ids = tensors["topk_ids"]  # [N, S, K] int16 / int32
-        self.aux = tensors.get("aux")  # [N, S, nH] float16, stored for EAGLE-3
+    def __init__(
+        self,
+        shards: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]],
+        windows: torch.Tensor | None = None,  # [N, 2] (shard, row); None: all of them
+    ):
+        self.shards = [shards] if isinstance(shards, dict) else shards
+        if windows is None:
+            windows = torch.cat([
+                torch.stack((torch.full((len(s["tokens"]),), i), torch.arange(len(s["tokens"]))), 1)
+                for i, s in enumerate(self.shards)
+            ])  # fmt: skip
+        self.windows = windows
 
     def __len__(self) -> int:
-        return self.tokens.shape[0]
+        return len(self.windows)
+
+    def has(self, name: str) -> bool:
+        return name in self.shards[0]
+
+    def without(self, name: str) -> HeadData:
+        """The same windows without one stored tensor (EAGLE-3 reads no final hidden state)."""
+        shards = [{k: t for k, t in s.items() if k != name} for s in self.shards]
+        return HeadData(shards, self.windows)
+
+    def gather(self, name: str, index: torch.Tensor | None = None) -> torch.Tensor:
+        """[b, S, ...] tensor `name` of windows `index` (all of them by default), as stored."""
+        picks = (self.windows if index is None else self.windows[index]).tolist()
+        first = self.shards[0][name]
+        out = first.new_empty((len(picks), *first.shape[1:]))
+        for i, (s, r) in enumerate(picks):  # row copies: no autocast op (it rejects float16)
+            out[i] = self.shards[s][name][r]
+        return out
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.gather("tokens")  # [N, S] int32
 
     def subset(self, fraction: float, seed: int) -> HeadData:
         """A seeded random share of the windows (a learning curve's smaller data sets, each
@@ -137,24 +165,20 @@ class HeadData:
             return self
         order = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed))
         keep = order[: max(1, round(fraction * len(self)))].sort().values
-        tensors = {"tokens": self.tokens, "hidden": self.hidden, "topk_logits": self.topk_logits}
-        tensors |= {"topk_ids": self.topk_ids} | ({"aux": self.aux} if self.aux is not None else {})
-        return HeadData({name: t[keep] for name, t in tensors.items()})
+        return HeadData(self.shards, self.windows[keep])
 
     @property
     def window(self) -> int:
-        return self.tokens.shape[1]
+        return self.shards[0]["tokens"].shape[1]
 
     def batch(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The windows `index` [b] with float32 features and int64 ids."""
-        batch = {
-            "tokens": self.tokens[index].long(),
-            "hidden": self.hidden[index].float(),
-            "topk_logits": self.topk_logits[index].float(),
-            "topk_ids": self.topk_ids[index].long(),
-        }
-        if self.aux is not None:
-            batch["aux"] = self.aux[index].float()
+        """The windows `index` [b] with float32 features and int64 ids: tokens [b, S], the
+        target's top-k logits and ids [b, S, K], and where stored hidden [b, S, H] and
+        aux [b, S, nH]."""
+        batch = {}
+        for name in self.shards[0]:
+            t = self.gather(name, index)
+            batch[name] = t.float() if t.is_floating_point() else t.long()
         return batch
 
 

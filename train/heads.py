@@ -86,6 +86,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     data_dir = args.run_dir / head_data.DATA_DIR
     data = HeadData(head_data.load_split(data_dir, "train")).subset(args.fraction, args.seed)
     heldout = HeadData(head_data.load_split(data_dir, "heldout"))
+    if args.kind == "eagle3":  # its loss reads the target layers, not the final hidden state
+        data, heldout = data.without("hidden"), heldout.without("hidden")
     # --epochs: the same passes over the data whatever its size (a learning curve's points)
     epoch_steps = -(-len(data) * args.epochs // args.batch) if args.epochs else 0
     cfg = TrainConfig(
@@ -114,7 +116,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         log.info(
             "draft vocabulary: %d ids, %.1f%% of the training tokens", len(draft_ids), 100 * share
         )
-        if data.aux is None:
+        if not data.has("aux"):
             raise SystemExit("the precomputed data has no target layers: precompute with --eagle3")
     layers = tuple(head_data.read_meta(data_dir).get("aux_layers", ()))  # older stores: none
     head = head_train.build_head(args.kind, target, draft_ids, layers)
