@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,12 @@ def test_cli_parses_every_command():
     assert (args.minutes, args.layers, args.batch, args.hard_weight) == (2.0, 1, 8, 0.1)
     assert p.parse_args(["target", "--run-dir", "r"]).minutes == 60.0
     assert p.parse_args(["eval", "--run-dir", "r"]).new_tokens == 128
+
+
+def test_a_run_of_so_many_steps_ends_its_schedule_at_the_last_step():
+    budget = TrainConfig(minutes=10, lr=1.0, warmup_steps=1, final_lr_ratio=0.1)
+    steps = dataclasses.replace(budget, minutes=1e6, max_steps=100)
+    assert budget.lr_at(50, elapsed_s=600) == pytest.approx(0.1)  # the budget spent
+    assert steps.lr_at(0, elapsed_s=0) == pytest.approx(1.0)
+    assert steps.lr_at(50, elapsed_s=600) == pytest.approx(0.55)  # half way, whatever the time
+    assert steps.lr_at(100, elapsed_s=600) == pytest.approx(0.1)

@@ -1,9 +1,10 @@
 """The training loop shared by the target and the draft: a wall-clock budget, resumable.
 
-The learning-rate schedule is defined over the time budget rather than a step count, because
-on a CPU the budget is what is fixed: linear warm-up over the first steps, then a cosine from
-the peak down to `final_lr_ratio` of it as the elapsed training time reaches the budget.
-Elapsed time is saved in checkpoints, so a resumed run continues the same schedule.
+The learning-rate schedule is defined over the time budget, because on a CPU the budget is
+what is fixed: linear warm-up over the first steps, then a cosine from the peak down to
+`final_lr_ratio` of it as the elapsed training time reaches the budget. A run bounded by a
+step count (`max_steps`: so many epochs) runs its cosine over the steps instead. Elapsed time
+and steps are saved in checkpoints, so a resumed run continues the same schedule.
 """
 
 from __future__ import annotations
@@ -51,8 +52,13 @@ class TrainConfig:
             raise ValueError("minutes, batch and seq must be positive")
 
     def lr_at(self, step: int, elapsed_s: float) -> float:
+        """Linear warm-up, then a cosine over the run: its steps where `max_steps` bounds it
+        (a run of so many epochs; paused time does not count), else its time budget."""
         warm = min(1.0, (step + 1) / self.warmup_steps)
-        progress = min(1.0, elapsed_s / (self.minutes * 60))
+        if self.max_steps:
+            progress = min(1.0, step / self.max_steps)
+        else:
+            progress = min(1.0, elapsed_s / (self.minutes * 60))
         cosine = 0.5 * (1 + math.cos(math.pi * progress))
         return self.lr * warm * (self.final_lr_ratio + (1 - self.final_lr_ratio) * cosine)
 
