@@ -37,12 +37,12 @@ from models.parallel import shard_module
 from models.tokenizer import Tokenizer
 from stages.draft import Drafter, LeaderDrafts, NgramDrafter, NoDrafter
 from stages.draft_model import DraftModelDrafter
-from stages.eagle_drafter import DynamicTree, EagleDrafter, EagleTreeDrafter, FixedTree
+from stages.head_drafter import HeadDrafter
 from stages.history import TokenHistory
 from stages.insert import insert_kernel
-from stages.mtp_drafter import MTPDrafter
 from stages.refill import RefillStage
 from stages.sample import SampleStage
+from stages.tree_drafter import DynamicTree, FixedTree, TreeDrafter
 from stages.verify import Verifier
 
 log = logging.getLogger("tandem.engine")
@@ -292,7 +292,7 @@ class Builder:
             self.prepare(eagle, head=True)  # one layer: a one-layer cache
             if spec.tree == "chain":
                 cache = self.cache_for(eagle, num_pages)
-                return EagleDrafter(eagle, cache, attention, rows, sampled)
+                return HeadDrafter(eagle, cache, attention, rows, sampled)
             shape: FixedTree | DynamicTree
             if spec.tree == "fixed":
                 shape = FixedTree(spec.tree_paths, self.device)
@@ -304,13 +304,11 @@ class Builder:
             scratch_pages = -(-rows * shape.scratch_size // page_size)
             cache = self.cache_for(eagle, num_pages + scratch_pages)
             start = num_pages * page_size
-            return EagleTreeDrafter(
-                eagle, cache, attention, rows, shape, target_cache, start, sampled
-            )
+            return TreeDrafter(eagle, cache, attention, rows, shape, target_cache, start, sampled)
         if spec.method == "mtp":
             head = load_mtp_head(self._head_dir(spec, "mtp", "MTP"), target)
             self.prepare(head, head=True)
-            return MTPDrafter(head, self.cache_for(head, num_pages), attention, rows, sampled)
+            return HeadDrafter(head, self.cache_for(head, num_pages), attention, rows, sampled)
         raise ValueError(f"speculative method {spec.method!r} is not available yet")
 
     def _head_dir(self, spec: SpecConfig, method: str, name: str) -> Path:

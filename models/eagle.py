@@ -65,6 +65,7 @@ class EagleHead(nn.Module):
     the head's state_dict holds only the head's tensors)."""
 
     target: LlamaModel
+    pair_offset = 0  # the pair (t_{i+1}, f_i) sits at position i (stages/head_drafter.py)
 
     def __init__(self, cfg: LlamaConfig, target: LlamaModel, norms: bool, fc_bias: bool):
         super().__init__()
@@ -238,6 +239,7 @@ class Eagle3Head(nn.Module):
     the target's, written without an lm_head)."""
 
     target: LlamaModel
+    pair_offset = 0  # the pair (t_{i+1}, f_i) sits at position i (stages/head_drafter.py)
     d2t: torch.Tensor  # [draft_vocab] int64: target id - draft id
     t2d: torch.Tensor  # [vocab] bool: the target ids of the draft vocabulary
     draft_ids: torch.Tensor  # [draft_vocab] int64: target id of each draft id

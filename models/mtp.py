@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from core.step import TargetOutput
 from models.attention import Attention
 from models.llama import (
     DecoderLayer,
@@ -68,6 +69,8 @@ class MTPHead(nn.Module):
     """One MTP module. Its attention is layer 0 of whatever paged KV the caller passes in."""
 
     target: LlamaModel  # shared embedding and lm_head; not a submodule (not in state_dict)
+    pair_offset = 1  # the pair (t_{i+1}, H_i) sits at position i + 1 (stages/head_drafter.py)
+    target_layers: tuple[int, ...] = ()  # it reads the target's final hidden states only
 
     def __init__(self, cfg: LlamaConfig, target: LlamaModel):
         super().__init__()
@@ -106,6 +109,10 @@ class MTPHead(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, vocab] from block outputs [R, H], through the head's norm and the target's head."""
         return self.target.logits(self.shared_head.norm(hidden))
+
+    def target_features(self, out: TargetOutput) -> torch.Tensor:
+        """[T, H] H of the tokens the target ran: its hidden states after the final norm."""
+        return out.hidden
 
 
 def save_mtp_head(head: MTPHead, directory: str | Path, dtype: torch.dtype = torch.float32) -> None:

@@ -18,9 +18,9 @@ from models.attention import CausalAttention, TorchPagedAttention, paged_metadat
 from models.eagle import save_eagle3_head, save_eagle_head
 from models.loader import load_model
 from server import config_from_args
-from stages import eagle_drafter
+from stages import tree_drafter
 from stages.draft import refill_columns
-from stages.eagle_drafter import _best
+from stages.tree_drafter import _best
 from stages.tree import move_tree_path, tree_ancestors, tree_drafts
 from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
 from tests.paged import shuffled_allocator
@@ -112,7 +112,7 @@ def test_refill_runs_up_to_the_longest_accepted_prefix_on_the_cpu():
 
 def test_fixed_tree_ancestors_hold_for_every_prefix():
     # a step drafting fewer nodes than the tree has takes the corner of its ancestors
-    tree = eagle_drafter.FixedTree(FIXED, torch.device("cpu"))
+    tree = tree_drafter.FixedTree(FIXED, torch.device("cpu"))
     for n in range(1, tree.size + 1):
         parents = tree.parents[None, :n]
         assert torch.equal(tree.ancestors[:, :n, :n], tree_ancestors(parents, tree.depth))
@@ -277,7 +277,7 @@ def test_fixed_tree_children_are_independent_draws_of_q():
     """A sampled node's ranked children: each rank a draw of q, independent of the others."""
     draws = 40_000
     q = torch.tensor([0.1, 0.3, 0.0, 0.4, 0.2, 0.0])
-    children = eagle_drafter.FixedTree._children(
+    children = tree_drafter.FixedTree._children(
         q.expand(draws, 1, 6), 2, torch.arange(draws) * 3 + 1, torch.full((draws,), 9)
     )  # [draws, 2]: ranks 0 and 1 of one node
     joint = children[:, 0] * 6 + children[:, 1]
@@ -349,7 +349,7 @@ async def test_greedy_trees_equal_plain(small, prompts, expected, tree, pages, m
         moved.extend(accepted[off_chain.any(1)].tolist())
         move_tree_path(cache, tail_slots, path, accepted)
 
-    monkeypatch.setattr(eagle_drafter, "move_tree_path", recording)
+    monkeypatch.setattr(tree_drafter, "move_tree_path", recording)
     config = tree_config(*small, tree, pages=pages, max_batch_tokens=64)
     async with running(config) as engine:
         assert await staggered(engine, prompts, GREEDY, seed=5) == expected

@@ -172,7 +172,7 @@ async def test_deferred_logits_match_the_head_over_the_whole_sequence(tiny_targe
     async with running(config) as engine:
         ids = prompt + token_ids(await engine.generate(prompt, GREEDY))
         await engine.wait_idle()
-        deferred = engine.drafter.logits[0].clone()  # the only request had row 0
+        deferred = engine.drafter.deferred_logits[0].clone()  # the only request had row 0
         head = engine.drafter.head
     target = head.target
     s = len(ids)

@@ -220,8 +220,7 @@ def head_forward(
     features = hidden[:, :-1]  # [b, S-1, H] f_i
     if noise:
         features = features + (torch.rand_like(features) - 0.5) * noise
-    offset = 1 if isinstance(head, MTPHead) else 0
-    positions = torch.arange(s - 1).repeat(b) + offset  # [b * (S-1)]
+    positions = torch.arange(s - 1).repeat(b) + head.pair_offset  # [b * (S-1)]
     attn = CausalAttention(b, s - 1)
     out = head(tokens[:, 1:].reshape(-1), features.reshape(b * (s - 1), -1), positions, attn)
     return out, head.logits(out)

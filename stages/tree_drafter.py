@@ -1,14 +1,7 @@
-"""The EAGLE drafters: the head drafts from the target's features, top-1 at each step (a
-chain), or a tree of top-k children (EagleTreeDrafter, with a FixedTree or a DynamicTree shape).
-
-Head position i holds the pair (t_{i+1}, f_i) (token i+1, target feature at i) and its KV lives
-at the slot of target position i, at the same page ids as the target's. Invariant between
-steps, for a sequence whose last committed token t_n is not yet run by the target (base = n):
-the head's KV covers the pairs at positions 0 .. n-1, `deferred_hidden[row]` is its feature at
-n-1 (its guess of f_n) and `deferred_logits[row]` the logits of t_{n+1}, so the first draft
-token costs no forward. Drafting feeds the head's own feature back in place of the target's;
-refill rewrites those pairs with the target's features of the tokens it kept.
-"""
+"""Tree drafting: the head drafts a tree of candidates level by level, of a fixed shape
+(FixedTree: paths of child ranks, Medusa / EAGLE style) or the dynamic EAGLE-2 tree
+(DynamicTree), and the target verifies the whole tree in one forward (stages/tree.py: its
+ancestry and masks, the accepted path's KV move)."""
 
 from __future__ import annotations
 
@@ -18,129 +11,17 @@ import torch
 
 from core.attention import AttentionMetadata
 from core.params import SamplingTensors
-from core.step import DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
+from core.step import DevicePlan, Drafts, Plan, TargetOutput, Verdict
 from kv.cache import KVCache
-from models.attention import Attention, AttentionBackend
-from models.eagle import Eagle3Head, EagleHead
-from stages.draft import draft_chain, probe_head, refill_columns
-from stages.plan import drafter_metadata
+from models.attention import AttentionBackend
+from stages.draft import refill_columns
+from stages.head_drafter import Head, HeadDrafter
 from stages.sampling import SALT_CHILD, coupling_noise, draw, process_logits, uniforms
 from stages.tree import move_tree_path, tree_ancestors, tree_drafts
 
 
-class EagleDrafter:
-    leader_only = False  # the head is sharded with the target
-
-    def __init__(
-        self,
-        head: EagleHead | Eagle3Head,
-        cache: KVCache,
-        attention: AttentionBackend,
-        max_rows: int,
-        sampled: bool,
-    ):
-        self.head = head
-        self.target_layers = head.target_layers
-        self.cache = cache  # one layer, indexed by the engine's page ids
-        self.attention = attention
-        self.sampled = sampled
-        weight = head.target.norm.weight  # the target's device and dtype
-        h, vocab = weight.shape[0], head.target.config.vocab_size
-        self.deferred_logits = weight.new_zeros(max_rows, vocab)  # [rows, V]
-        self.deferred_hidden = weight.new_zeros(max_rows, h)  # [rows, H] head feature at n-1
-        # target feature of the last token of each row's latest prompt chunk: the next chunk
-        # pairs it with its first token
-        self.last_feature = weight.new_zeros(max_rows, h)  # [rows, H]
-
-    def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int]] | None:
-        return None
-
-    def probe(self, num_tokens: int) -> None:
-        probe_head(self.head, num_tokens)
-
-    def prefill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
-        """Pairs (t_p, f_{p-1}) at position p-1 for each chunk token p; the first token of a
-        chunk takes f from the previous chunk. A prompt's token 0 has no pair: its forward row
-        writes the slot of the chunk's last position, which the next chunk (or, for a final
-        chunk, the pair of the sampled token) rewrites before anything reads it."""
-        meta = dev.target_meta
-        seq = torch.div(meta.q_index, meta.max_q, rounding_mode="floor")  # [T]
-        first = meta.q_index % meta.max_q == 0  # [T] first token of its sequence's chunk
-        target = self.head.target_features(out)  # [T, H]
-        previous = torch.roll(target, 1, 0)  # [T, H] feature of the token before
-        features = torch.where(first[:, None], self.last_feature[dev.token_rows], previous)
-        positions = (dev.positions - 1).clamp(min=0)  # [T]
-        slots = meta.kv_slots[seq, positions]
-        slots = torch.where(dev.positions == 0, meta.kv_slots[seq, dev.base[seq]], slots)
-        pairs = AttentionMetadata(
-            slot_mapping=slots,
-            kv_slots=meta.kv_slots,
-            kv_lens=meta.kv_lens,
-            q_index=meta.q_index,
-            q_positions=(meta.q_positions - 1).clamp(min=0),
-            shared=meta.shared,
-        )
-        self.head(out.input_ids, features, positions, self._attention(pairs))
-        self.last_feature[dev.rows] = target[dev.logits_index]
-        emit = dev.emit_index
-        if emit.numel():
-            # the sampled token t_{end} with f_{end-1}: its outputs wait for the first decode
-            sampled = verdict.tokens[emit, :1]  # [E, 1]
-            feature = target[dev.logits_index[emit]][:, None]  # [E, 1, H]
-            base = dev.base[emit][:, None]  # [E, 1]
-            self._defer(dev, emit, sampled, feature, base, dev.tail_slots[emit, :1], None)
-
-    def propose(self, plan: Plan, dev: DevicePlan) -> Drafts:
-
-        def step(token: torch.Tensor, feature: torch.Tensor, j: int):
-            # pair (d_{j+1}, the head's guess of f_{base+j}) at position base + j
-            position, slot = (dev.base + j)[:, None], dev.tail_slots[:, j : j + 1]
-            feature = self._forward(dev, None, token[:, None], feature[:, None], position, slot)
-            return self.head.logits(feature[:, 0]), feature[:, 0]
-
-        logits = self.deferred_logits[dev.rows]  # [B, V]
-        feature = self.deferred_hidden[dev.rows]  # [B, H]
-        return draft_chain(plan, dev, logits, feature, step, self.sampled)
-
-    def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
-        """Pairs (emitted token j, target feature at base + j) at positions base + j, for
-        j < m (`refill_columns`: at most k + 1); the rows past a sequence's accepted count a
-        lie past its committed length, where nothing reads them before the next step rewrites
-        them. Row a is deferred."""
-        b, w = plan.batch_size, plan.width
-        m = refill_columns(verdict.num_accepted, w)
-        tokens = verdict.tokens[:, :m].clamp(min=0)  # [B, m]
-        features = self.head.target_features(out).view(b, w, -1)[:, :m]  # [B, m, H] f_base ..
-        positions = dev.base[:, None] + torch.arange(m, device=tokens.device)  # [B, m]
-        slots = dev.tail_slots[:, :m]
-        self._defer(dev, None, tokens, features, positions, slots, verdict.num_accepted)
-        return m
-
-    def _defer(self, dev, index, tokens, features, positions, slots, accepted) -> None:
-        """Run the head over pairs [E, m] and keep its outputs at column `accepted` (0 if None)
-        for the sequences `index` (all if None)."""
-        hidden = self._forward(dev, index, tokens, features, positions, slots)  # [E, m, H]
-        column = torch.zeros_like(tokens[:, 0]) if accepted is None else accepted  # [E]
-        kept = hidden[torch.arange(hidden.shape[0], device=hidden.device), column]  # [E, H]
-        rows = dev.rows if index is None else dev.rows[index]
-        self.deferred_hidden[rows] = kept
-        self.deferred_logits[rows] = self.head.logits(kept)
-
-    def _forward(self, dev, index, ids, features, positions, slots) -> torch.Tensor:
-        """Head features [E, m, H] for m pairs per sequence (ids, positions, slots [E, m],
-        features [E, m, H]), attending over the keys of the step's target metadata."""
-        e, m = ids.shape
-        small = drafter_metadata(dev, index, positions, slots)
-        flat = features.reshape(e * m, -1)
-        hidden = self.head(ids.flatten(), flat, positions.flatten(), self._attention(small))
-        return hidden.view(e, m, -1)
-
-    def _attention(self, meta: AttentionMetadata) -> Attention:
-        return self.attention(meta, self.cache, self.head.config.num_heads)
-
-
-class EagleTreeDrafter(EagleDrafter):
-    """EAGLE over a tree of candidates (a fixed shape or the dynamic EAGLE-2 tree).
+class TreeDrafter(HeadDrafter):
+    """A head drafter over a tree of candidates (a FixedTree or a DynamicTree shape).
 
     The head drafts the tree level by level. Its pairs for tree nodes go to scratch slots
     (S per row, past the engine's pages), not to the sequence's pages: a node sees the
@@ -153,7 +34,7 @@ class EagleTreeDrafter(EagleDrafter):
 
     def __init__(
         self,
-        head: EagleHead | Eagle3Head,
+        head: Head,
         cache: KVCache,
         attention: AttentionBackend,
         max_rows: int,
@@ -187,13 +68,13 @@ class EagleTreeDrafter(EagleDrafter):
         b, d = path.shape
         move_tree_path(self.target_cache, dev.tail_slots, path, accepted)
         # pairs (emitted token j, target feature at base + j): the root's row, then the path's
-        m = refill_columns(accepted, d + 1)
+        o, m = self.offset, refill_columns(accepted, d + 1)
         rows = torch.cat([torch.zeros_like(path[:, :1]), 1 + path[:, : m - 1].clamp(min=0)], 1)
         hidden = self.head.target_features(out).view(b, plan.width, -1)
         features = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[2]))  # [B, m, H]
-        positions = dev.base[:, None] + torch.arange(m, device=path.device)  # [B, m]
+        positions = dev.base[:, None] + o + torch.arange(m, device=path.device)  # [B, m]
         tokens = verdict.tokens[:, :m].clamp(min=0)
-        self._defer(dev, None, tokens, features, positions, dev.tail_slots[:, :m], accepted)
+        self._defer(dev, None, tokens, features, positions, dev.tail_slots[:, o : o + m], accepted)
         return m
 
     def roots(self, dev: DevicePlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,7 +96,8 @@ class EagleTreeDrafter(EagleDrafter):
         b, m = ids.shape
         scratch, kv_slots, committed, shared = self._tree_keys(dev)
         mask = torch.cat([committed.expand(b, m, -1), visible.expand(b, m, -1)], 2)
-        positions = (dev.base + level - 1)[:, None].expand(b, m)  # pair (node, parent feature)
+        # the pair (node, its parent's feature), at base + level - 1 + pair_offset
+        positions = (dev.base + level - 1 + self.offset)[:, None].expand(b, m)
         small = AttentionMetadata(
             slot_mapping=scratch[:, first : first + m].flatten(),
             kv_slots=kv_slots,
@@ -240,7 +122,7 @@ class EagleTreeDrafter(EagleDrafter):
             device = meta.kv_slots.device
             scratch = self.scratch_start + dev.rows[:, None] * s + torch.arange(s, device=device)
             keys = torch.arange(meta.kv_slots.shape[1], device=device)
-            committed = (keys[None, :] < dev.base[:, None])[:, None]
+            committed = (keys[None, :] < dev.base[:, None] + self.offset)[:, None]
             kv_slots = torch.cat([meta.kv_slots, scratch], 1)
             shared["tree keys"] = scratch, kv_slots, committed, {}
         return shared["tree keys"]
@@ -269,6 +151,26 @@ def _tree_noise(
     return coupling_noise(st.seeds, positions, vocab, st.coupled)
 
 
+@dataclass(frozen=True)
+class Level:
+    """A fixed tree's nodes at one depth, as picked from the children of the m nodes run at
+    the depth above."""
+
+    flat: torch.Tensor  # [n] each node's place among those nodes' top children [m * width]
+    width: int  # top children taken of each node run above: the worst rank taken + 1
+    fed_by: torch.Tensor  # [n] each node's parent's place among the m nodes
+
+
+@dataclass(frozen=True)
+class Run:
+    """A fixed tree's nodes at one depth that have children: the head runs over them."""
+
+    first: int  # the scratch index of the first; the m nodes take first .. first + m - 1
+    places: torch.Tensor  # [m] their places among the depth's nodes
+    feeds: torch.Tensor | None  # [m] their parents' places among the nodes run above; None: root
+    visible: torch.Tensor  # [1, m, S] bool: the scratch nodes on each one's path, itself too
+
+
 class FixedTree:
     """A fixed tree given as paths of child ranks (Medusa / EAGLE style): path (0, 2) is the
     third-best child of the root's best child. Nodes are ordered by depth, then path, so that
@@ -290,27 +192,21 @@ class FixedTree:
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)
         self.parents, self.depths = as_tensor(parents), as_tensor([len(p) for p in order])
         self.ancestors = tree_ancestors(self.parents[None], self.depth)  # [1, N, N]
-        # per depth: (where its nodes sit among the flattened top children [m * width] of the
-        # m nodes run at the depth above, width = the worst rank taken + 1; their parents'
-        # places among those m nodes)
-        self.levels: list[tuple[torch.Tensor, int, torch.Tensor]] = []
-        # per depth < max: (first scratch index, the run nodes' places among the depth's
-        # nodes, their parents' places among the nodes run above (None: the root), [1, m, S]
-        # the scratch nodes on each run node's path)
-        self.runs: list[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+        self.levels: list[Level] = []  # per depth
+        self.runs: list[Run] = []  # per depth but the last
         above = [-1]  # the nodes run at the depth above (the root first)
         for level in range(1, self.depth + 1):
             nodes = [i for i, p in enumerate(order) if len(p) == level]
             width = max(order[i][-1] for i in nodes) + 1
             fed_by = [above.index(parents[i]) for i in nodes]
             flat = [place * width + order[i][-1] for place, i in zip(fed_by, nodes, strict=True)]
-            self.levels.append((as_tensor(flat), width, as_tensor(fed_by)))
+            self.levels.append(Level(as_tensor(flat), width, as_tensor(fed_by)))
             if level < self.depth:
                 run = [e for e in inner if len(order[e]) == level]
                 feeds = as_tensor([above.index(parents[e]) for e in run]) if level > 1 else None
                 places = as_tensor([nodes.index(e) for e in run])
                 visible = self._visible(run, parents, scratch)
-                self.runs.append((scratch[run[0]], places, feeds, visible))
+                self.runs.append(Run(scratch[run[0]], places, feeds, visible))
                 above = run
 
     def _visible(self, run: list[int], parents: list[int], scratch: dict[int, int]) -> torch.Tensor:
@@ -323,7 +219,7 @@ class FixedTree:
         return visible.to(self.device)
 
     def draft(
-        self, d: EagleTreeDrafter, dev: DevicePlan, n: int, st: SamplingTensors | None = None
+        self, d: TreeDrafter, dev: DevicePlan, n: int, st: SamplingTensors | None = None
     ) -> DraftedTree:
         """The first n nodes; a prefix of the nodes is a tree: its ancestors are a corner of
         the whole tree's. With `st` children are drawn from q (and kept, for the sampler);
@@ -334,27 +230,27 @@ class FixedTree:
         noise = _tree_noise(dev, st, self.depth, logits.shape[-1])
         children, hidden = logits[:, None], hidden[:, None]  # the nodes run: the root
         tokens, drawn_from = [], []  # per depth [B, its nodes], [B, its nodes, V]
-        for level, (flat, width, fed_by) in enumerate(self.levels, start=1):
+        for level, nodes in enumerate(self.levels, start=1):
             if st is None:
-                top = children.topk(width, dim=-1).indices.flatten(1)  # [B, m * width]
+                top = children.topk(nodes.width, dim=-1).indices.flatten(1)  # [B, m * width]
             else:
                 q = process_logits(children, st)  # [B, m, V]
-                top = self._children(q, width, st.seeds, dev.base + level)
+                top = self._children(q, nodes.width, st.seeds, dev.base + level)
                 if noise is not None and st.coupled is not None:
                     perturbed = q.log() + noise[:, level - 1, None]
-                    best = perturbed.topk(width, dim=-1).indices.flatten(1)
+                    best = perturbed.topk(nodes.width, dim=-1).indices.flatten(1)
                     top = torch.where(st.coupled[:, None], best, top)
-                drawn_from.append(q.index_select(1, fed_by))
-            tokens.append(top.index_select(1, flat))
+                drawn_from.append(q.index_select(1, nodes.fed_by))
+            tokens.append(top.index_select(1, nodes.flat))
             if level == self.depth:
                 break
-            first, places, feeds, visible = self.runs[level - 1]
-            ids = tokens[-1].index_select(1, places)  # [B, m] the nodes run at this depth
-            if feeds is None:
-                fed = hidden.expand(b, len(places), -1)
+            run = self.runs[level - 1]
+            ids = tokens[-1].index_select(1, run.places)  # [B, m] the nodes run at this depth
+            if run.feeds is None:
+                fed = hidden.expand(b, len(run.places), -1)
             else:
-                fed = hidden.index_select(1, feeds)
-            children, hidden = d.expand(dev, level, first, ids, fed, visible)
+                fed = hidden.index_select(1, run.feeds)
+            children, hidden = d.expand(dev, level, run.first, ids, fed, run.visible)
         expand = lambda t: t[None, :n].expand(b, -1)
         ancestors = self.ancestors[:, :n, :n].expand(b, -1, -1)
         q_nodes = torch.cat(drawn_from, 1)[:, :n] if drawn_from else None
@@ -391,7 +287,7 @@ class DynamicTree:
         self.depths = torch.tensor(depths, dtype=torch.long, device=device)  # [C] candidates
 
     def draft(
-        self, d: EagleTreeDrafter, dev: DevicePlan, n: int, st: SamplingTensors | None = None
+        self, d: TreeDrafter, dev: DevicePlan, n: int, st: SamplingTensors | None = None
     ) -> DraftedTree:
         """n nodes, without ancestors (tree_drafts finds them) or q (children ranked by score
         are point masses). With `st`, a coupled row ranks children by their Gumbel-perturbed

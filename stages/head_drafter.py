@@ -1,0 +1,150 @@
+"""The head drafter: one layer over the target's features drafts a chain, top-1 (or a draw) at
+each step. One drafter for the three heads: EAGLE-1 and EAGLE-3 (the features are the target's
+final hidden states, or its fused middle layers) and DeepSeek's MTP (the final hidden states,
+through the head's own norms). Trees over the same heads: stages/tree_drafter.py.
+
+Pairs. The head reads a pair (t_p, f_{p-1}): a token with the feature of the token before. Its
+KV sits at the target's slot of the pair's position, p - 1 + `pair_offset`: EAGLE puts the pair
+at p - 1 (pair_offset 0; a prompt's token 0 has no pair), MTP at p (pair_offset 1; token 0
+pairs with a zero state, a start-of-sequence key). Drafting feeds the head's own output back
+as the next pair's feature; refill rewrites those pairs with the target's features of the
+tokens it kept.
+
+Invariant between steps, for a sequence whose last committed token sits at `base` (not yet
+run by the target): the head's KV holds the pairs of tokens 0 .. base, the last of them being
+(t_base, f_{base-1}); `deferred_hidden[row]` is the head's output there and
+`deferred_logits[row]` its logits for t_{base+1}, so the first draft token costs no forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from core.attention import AttentionMetadata
+from core.step import DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
+from kv.cache import KVCache
+from models.attention import Attention, AttentionBackend
+from models.eagle import Eagle3Head, EagleHead
+from models.mtp import MTPHead
+from stages.draft import draft_chain, probe_head, refill_columns
+from stages.plan import drafter_metadata
+
+Head = EagleHead | Eagle3Head | MTPHead
+
+
+class HeadDrafter:
+    leader_only = False  # the head is sharded with the target
+
+    def __init__(
+        self,
+        head: Head,
+        cache: KVCache,  # one layer, indexed by the engine's page ids
+        attention: AttentionBackend,
+        max_rows: int,
+        sampled: bool,
+    ):
+        self.head = head
+        self.target_layers = head.target_layers
+        self.offset = head.pair_offset
+        self.cache = cache
+        self.attention = attention
+        self.sampled = sampled
+        weight = head.target.norm.weight  # the target's device and dtype
+        h, vocab = weight.shape[0], head.target.config.vocab_size
+        self.deferred_logits = torch.zeros(max_rows, vocab, device=weight.device)  # [rows, V]
+        self.deferred_hidden = weight.new_zeros(max_rows, h)  # [rows, H] the head's output
+        # the target feature of the last token of each row's latest prompt chunk: the next
+        # chunk pairs it with its first token
+        self.last_feature = weight.new_zeros(max_rows, h)  # [rows, H]
+
+    def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int]] | None:
+        return None
+
+    def probe(self, num_tokens: int) -> None:
+        probe_head(self.head, num_tokens)
+
+    def prefill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
+        """The pairs of the chunk's tokens; a chunk's first token takes its feature from the
+        previous chunk. For a final chunk also the pair of the sampled token, whose outputs
+        wait for the first decode."""
+        meta = dev.target_meta
+        seq = torch.div(meta.q_index, meta.max_q, rounding_mode="floor")  # [T]
+        first = meta.q_index % meta.max_q == 0  # [T] first token of its sequence's chunk
+        target = self.head.target_features(out)  # [T, H]
+        previous = torch.roll(target, 1, 0)  # [T, H] the feature of the token before
+        features = torch.where(first[:, None], self.last_feature[dev.token_rows], previous)
+        features = features.masked_fill((dev.positions == 0)[:, None], 0)  # none before t_0
+        shift = 1 - self.offset  # a pair sits `shift` positions before its token
+        positions = dev.positions - shift  # [T]
+        # EAGLE's token 0 has no pair: its row writes the slot of the chunk's last position,
+        # which the next chunk (or the sampled token's pair) rewrites before anything reads it
+        slots = meta.kv_slots[seq, positions.clamp(min=0)]
+        slots = torch.where(positions < 0, meta.kv_slots[seq, dev.base[seq]], slots)
+        pairs = AttentionMetadata(
+            slot_mapping=slots,
+            kv_slots=meta.kv_slots,
+            kv_lens=meta.kv_lens,
+            q_index=meta.q_index,
+            q_positions=(meta.q_positions - shift).clamp(min=0),
+            shared=meta.shared,
+        )
+        self.head(out.input_ids, features, positions.clamp(min=0), self._attention(pairs))
+        self.last_feature[dev.rows] = target[dev.logits_index]
+        emit = dev.emit_index
+        if emit.numel():  # the sampled token t_{base+1} with f_base
+            sampled = verdict.tokens[emit, :1]  # [E, 1]
+            feature = target[dev.logits_index[emit]][:, None]  # [E, 1, H]
+            position = dev.base[emit][:, None] + self.offset  # [E, 1]
+            slot = dev.tail_slots[emit, self.offset : self.offset + 1]
+            self._defer(dev, emit, sampled, feature, position, slot, None)
+
+    def propose(self, plan: Plan, dev: DevicePlan) -> Drafts:
+        """Token 1 from the deferred logits; token j + 2 from the head over the pair (token
+        j + 1, the head's own output for the pair before)."""
+
+        def step(token: torch.Tensor, feature: torch.Tensor, j: int):
+            o = self.offset
+            position, slot = (dev.base + o + j)[:, None], dev.tail_slots[:, o + j : o + j + 1]
+            feature = self._forward(dev, None, token[:, None], feature[:, None], position, slot)
+            return self.head.logits(feature[:, 0]), feature[:, 0]
+
+        logits = self.deferred_logits[dev.rows]  # [B, V]
+        feature = self.deferred_hidden[dev.rows]  # [B, H]
+        return draft_chain(plan, dev, logits, feature, step, self.sampled)
+
+    def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
+        """The pairs (emitted token j, the target's feature at base + j) for j < m
+        (`refill_columns`: at most k + 1); the columns past a sequence's accepted count lie
+        past its committed length, where nothing reads them before the next step rewrites
+        them. The outputs at the accepted count are deferred."""
+        b, w, o = plan.batch_size, plan.width, self.offset
+        m = refill_columns(verdict.num_accepted, w)
+        tokens = verdict.tokens[:, :m].clamp(min=0)  # [B, m]
+        features = self.head.target_features(out).view(b, w, -1)[:, :m]  # [B, m, H] f_base ..
+        positions = dev.base[:, None] + o + torch.arange(m, device=tokens.device)  # [B, m]
+        slots = dev.tail_slots[:, o : o + m]
+        self._defer(dev, None, tokens, features, positions, slots, verdict.num_accepted)
+        return m
+
+    def _defer(self, dev, index, tokens, features, positions, slots, accepted) -> None:
+        """Run the head over pairs [E, m] and keep its outputs at column `accepted` (0 if None)
+        for the sequences `index` (all if None)."""
+        hidden = self._forward(dev, index, tokens, features, positions, slots)  # [E, m, H]
+        column = torch.zeros_like(tokens[:, 0]) if accepted is None else accepted  # [E]
+        kept = hidden[torch.arange(hidden.shape[0], device=hidden.device), column]  # [E, H]
+        rows = dev.rows if index is None else dev.rows[index]
+        self.deferred_hidden[rows] = kept
+        self.deferred_logits[rows] = self.head.logits(kept).float()
+
+    def _forward(self, dev, index, ids, features, positions, slots) -> torch.Tensor:
+        """The head's outputs [E, m, H] for m pairs per sequence (ids, positions, slots [E, m],
+        features [E, m, H]) of the sequences `index` (None: all), attending over the keys of
+        the step's target metadata."""
+        e, m = ids.shape
+        small = drafter_metadata(dev, index, positions, slots)
+        flat = features.reshape(e * m, -1)
+        hidden = self.head(ids.flatten(), flat, positions.flatten(), self._attention(small))
+        return hidden.view(e, m, -1)
+
+    def _attention(self, meta: AttentionMetadata) -> Attention:
+        return self.attention(meta, self.cache, self.head.config.num_heads)
