@@ -31,6 +31,7 @@ import torch
 
 from engine.builder import model_path
 from models.eagle import Eagle3Head, default_aux_layers, save_eagle3_head, save_eagle_head
+from models.llama import prepare_for_inference
 from models.loader import load_model
 from models.mtp import MTPHead, save_mtp_head
 from train import head_data, head_train
@@ -52,6 +53,7 @@ def load_target(name: str) -> torch.nn.Module:
 
 def cmd_precompute(args: argparse.Namespace) -> None:
     target = load_target(args.target)
+    prepare_for_inference(target)  # the serving engine's products: 1.35x the plain forward's
     layers = target.config.num_layers
     aux = tuple(i - 1 for i in default_aux_layers(layers)) if args.eagle3 else ()
     cfg = head_data.PrecomputeConfig(
