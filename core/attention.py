@@ -3,9 +3,34 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
+
+
+@dataclass
+class SharedKeys:
+    """What the forwards over the same keys derive from them once, the first of them building
+    it: the copies of a metadata that keep its kv_slots and kv_lens (a tree's verify, a step's
+    drafter forwards) hold the same SharedKeys."""
+
+    # (key indices [1, 1, Lmax], whether each key exists [B, 1, Lmax])
+    keys: tuple[torch.Tensor, torch.Tensor] | None = None
+    # by a cache's page size: [B, Lmax] the row of each key in a layer's rows
+    key_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    # by a cache's layout: (the rows a layer gathers [2 * B * Lmax], the gather buffer)
+    reads: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    tree: TreeKeys | None = None  # the keys a drafted tree's levels see
+
+
+@dataclass(frozen=True)
+class TreeKeys:
+    """The keys a tree drafter's levels see, the same at every level of a step: the committed
+    pairs, then each row's scratch slots (where the levels write their nodes' KV)."""
+
+    scratch: torch.Tensor  # [B, S] each row's scratch slots
+    kv_slots: torch.Tensor  # [B, Lmax + S] the step's key slots, then the scratch
+    committed: torch.Tensor  # [B, 1, Lmax] bool: which of the step's keys are committed
+    shared: SharedKeys  # what the levels' forwards share
 
 
 @dataclass
@@ -25,9 +50,7 @@ class AttentionMetadata:
     # (tokens come sequence by sequence, in the order qo_indptr gives them)
     q_positions: torch.Tensor  # [B, Qmax] int64, position of each padded query (0 for padding)
     mask: torch.Tensor | None = None  # [B, Qmax, Lmax] bool; replaces the causal rule (trees)
-    # What forwards over the same keys share, built by the first of them: copies that keep
-    # kv_slots and kv_lens (a tree's verify, a step's drafter forwards) pass the same dict.
-    shared: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    shared: SharedKeys = field(default_factory=SharedKeys, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -46,7 +69,7 @@ class AttentionMetadata:
 
     def _keys(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(key indices [1, 1, Lmax], whether each key exists [B, 1, Lmax])."""
-        if "keys" not in self.shared:
+        if self.shared.keys is None:
             keys = torch.arange(self.kv_slots.shape[1], device=self.kv_slots.device)[None, None]
-            self.shared["keys"] = keys, keys < self.kv_lens[:, None, None]
-        return self.shared["keys"]
+            self.shared.keys = keys, keys < self.kv_lens[:, None, None]
+        return self.shared.keys

@@ -79,23 +79,24 @@ class TorchPagedAttention:
     def _key_rows(meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
         """[B, Lmax] row of each key in a layer's rows: shared by every forward over the same
         keys of caches of the same page size."""
-        key = ("key rows", cache.page_size)
-        if key not in meta.shared:
-            meta.shared[key] = cache.key_rows(meta.kv_slots)
-        return meta.shared[key]
+        rows = meta.shared.key_rows
+        if cache.page_size not in rows:
+            rows[cache.page_size] = cache.key_rows(meta.kv_slots)
+        return rows[cache.page_size]
 
     @staticmethod
     def _reads(meta: AttentionMetadata, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows to gather [2 * B * Lmax], the gather buffer): shared by every forward over
         the same keys of caches of the same page size and row shape."""
-        key = ("reads", cache.page_size, cache.num_kv_heads, cache.head_dim, cache.data.dtype)
-        if key not in meta.shared:
+        key = (cache.page_size, cache.num_kv_heads, cache.head_dim, cache.data.dtype)
+        if key not in meta.shared.reads:
             read = TorchPagedAttention._key_rows(meta, cache).flatten()  # [B * Lmax]
             # keys then values; index_select copies whole rows (much faster than x[rows] here)
             rows = torch.cat((read, read + cache.page_size))
             # one gather buffer for all layers (a fresh large tensor per layer costs page faults)
-            meta.shared[key] = rows, cache.data.new_empty(*rows.shape, *cache.data.shape[-2:])
-        return meta.shared[key]
+            buffer = cache.data.new_empty(*rows.shape, *cache.data.shape[-2:])
+            meta.shared.reads[key] = rows, buffer
+        return meta.shared.reads[key]
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.attention import AttentionMetadata
+from core.attention import AttentionMetadata, SharedKeys
 from core.params import SamplingTensors
 from core.step import Batch, DevicePlan, Plan, Sequence, StepKind
 from kv.table import build_csr
@@ -176,7 +176,7 @@ def drafter_metadata(
     meta = dev.target_meta
     kv_slots, kv_lens, shared = meta.kv_slots, meta.kv_lens, meta.shared
     if index is not None:  # other keys: nothing to share with the step's forwards
-        kv_slots, kv_lens, shared = kv_slots[index], kv_lens[index], {}
+        kv_slots, kv_lens, shared = kv_slots[index], kv_lens[index], SharedKeys()
     e, m = positions.shape
     return AttentionMetadata(
         slot_mapping=slots.flatten(),

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.attention import AttentionMetadata
+from core.attention import AttentionMetadata, SharedKeys, TreeKeys
 from core.params import SamplingTensors
 from core.step import DevicePlan, Drafts, Plan, TargetOutput, Verdict
 from kv.cache import KVCache
@@ -94,38 +94,36 @@ class TreeDrafter(HeadDrafter):
         """Run the head over m tree nodes per sequence; returns (logits [B, m, V] of their
         children, their head features [B, m, H])."""
         b, m = ids.shape
-        scratch, kv_slots, committed, shared = self._tree_keys(dev)
-        mask = torch.cat([committed.expand(b, m, -1), visible.expand(b, m, -1)], 2)
+        keys = self._tree_keys(dev)
+        mask = torch.cat([keys.committed.expand(b, m, -1), visible.expand(b, m, -1)], 2)
         # the pair (node, its parent's feature), at base + level - 1 + pair_offset
         positions = (dev.base + level - 1 + self.offset)[:, None].expand(b, m)
         small = AttentionMetadata(
-            slot_mapping=scratch[:, first : first + m].flatten(),
-            kv_slots=kv_slots,
-            kv_lens=torch.full_like(dev.base, kv_slots.shape[1]),
+            slot_mapping=keys.scratch[:, first : first + m].flatten(),
+            kv_slots=keys.kv_slots,
+            kv_lens=torch.full_like(dev.base, keys.kv_slots.shape[1]),
             q_index=torch.arange(b * m, device=ids.device),
             q_positions=positions,
             mask=mask,
-            shared=shared,
+            shared=keys.shared,
         )
         flat = features.reshape(b * m, -1)
         hidden = self.head(ids.flatten(), flat, positions.flatten(), self._attention(small))
         logits = self.head.logits(hidden)  # [B * m, V]
         return logits.float().view(b, m, -1), hidden.view(b, m, -1)
 
-    def _tree_keys(self, dev: DevicePlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
-        """The keys a step's tree nodes see, the same at every level (built once a step):
-        (each row's scratch slots [B, S], the step's key slots then those [B, Lmax + S],
-        which keys are committed [B, 1, Lmax], what the levels' attention shares)."""
+    def _tree_keys(self, dev: DevicePlan) -> TreeKeys:
+        """The keys the step's tree levels see (built once a step)."""
         shared = dev.target_meta.shared
-        if "tree keys" not in shared:
+        if shared.tree is None:
             meta, s = dev.target_meta, self.shape.scratch_size
             device = meta.kv_slots.device
             scratch = self.scratch_start + dev.rows[:, None] * s + torch.arange(s, device=device)
             keys = torch.arange(meta.kv_slots.shape[1], device=device)
             committed = (keys[None, :] < dev.base[:, None] + self.offset)[:, None]
             kv_slots = torch.cat([meta.kv_slots, scratch], 1)
-            shared["tree keys"] = scratch, kv_slots, committed, {}
-        return shared["tree keys"]
+            shared.tree = TreeKeys(scratch, kv_slots, committed, SharedKeys())
+        return shared.tree
 
 
 @dataclass

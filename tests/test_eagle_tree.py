@@ -20,8 +20,8 @@ from models.loader import load_model
 from server import config_from_args
 from stages import tree_drafter
 from stages.draft import refill_columns
-from stages.tree_drafter import _best
 from stages.tree import move_tree_path, tree_ancestors, tree_drafts
+from stages.tree_drafter import _best
 from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
 from tests.paged import shuffled_allocator
 from tests.stats import (
