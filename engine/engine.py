@@ -21,7 +21,6 @@ import contextlib
 import hashlib
 import itertools
 import logging
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -44,12 +43,6 @@ from engine.trace import Tracer
 from models.parallel import traffic
 
 log = logging.getLogger("tandem.engine")
-
-# How long a thread may hold the GIL while another waits for it. The compute thread re-takes
-# the GIL after every torch call (hundreds a step, microseconds each); at Python's default of
-# 5 ms, each time the event loop runs Python meanwhile, the device work can stall for up to
-# that long (bench/results/NOTES.md has what was measured).
-SWITCH_INTERVAL_S = 2e-4
 
 
 class AsyncEngine:
@@ -118,8 +111,6 @@ class AsyncEngine:
     # ---- the public interface ----
 
     async def start(self) -> None:
-        self._switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL_S))
         self.executor = Executor(
             self.device, self.stages, self._record, self.config.device_delay, self.group
         )
@@ -145,7 +136,6 @@ class AsyncEngine:
         self._tasks = []
         self.executor.close()
         self.tracer.close()
-        sys.setswitchinterval(self._switch_interval)
 
     def submit(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None

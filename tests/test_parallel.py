@@ -168,19 +168,15 @@ async def greedy_both(config, prompts=PROMPTS, kept=True):
 
 
 @pytest.mark.timeout(240)
+# Each path under two ranks once, between this table and the GQA one below: here plain
+# decoding, the leader's draft model (its drafts broadcast with the plan), a dynamic tree
+# (the verify's tree mask and the accepted path's KV move) and MTP's one-token mode (steps
+# planned before the host knows the last one's tokens); there n-gram, the sharded head drafter
+# (EAGLE-1, EAGLE-3's target layers, MTP) and the fixed tree over a replicated KV head.
 @pytest.mark.parametrize(
     "method, spec_kw",
-    [
-        ("none", {}),
-        ("draft", {}),
-        ("ngram", {}),
-        ("eagle", {}),
-        ("eagle", {"tree": "fixed"}),
-        ("eagle", {"tree": "dynamic"}),
-        ("mtp", {}),
-        ("mtp", {"one_token": True}),
-    ],
-    ids=["none", "draft", "ngram", "eagle-chain", "eagle-fixed", "eagle-dynamic", "mtp-k", "mtp-1"],
+    [("none", {}), ("draft", {}), ("eagle", {"tree": "dynamic"}), ("mtp", {"one_token": True})],
+    ids=["none", "draft", "eagle-dynamic", "mtp-1"],
 )
 async def test_two_ranks_give_one_process_greedy_output(method, spec_kw):
     one, two = await greedy_both(demo_config(method, **spec_kw))
@@ -211,46 +207,29 @@ def hf_gqa_llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gqa_drafters(hf_gqa_llama, tmp_path_factory):
-    """Drafters for the GQA Llama: a draft model that is the target with its weights
-    perturbed (so that it agrees often and some drafts are kept); random EAGLE-1 and EAGLE-3
-    heads (the latter reads the stream entering layer 1 and the output) and a random MTP
-    head, whose drafts the target rejects: with them the test checks that the sharded heads
-    run and leave the target's output alone."""
-    import transformers
-
+    """Heads for the GQA Llama: random EAGLE-1 and EAGLE-3 heads (the latter reads the stream
+    entering layer 1 and the output) and a random MTP head, whose drafts the target rejects:
+    with them the test checks that the sharded heads run and leave the target's output
+    alone."""
     root = tmp_path_factory.mktemp("gqa_heads")
-    draft = transformers.LlamaForCausalLM.from_pretrained(hf_gqa_llama)
-    torch.manual_seed(6)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn_like(p) * 0.01)
-    draft.save_pretrained(root / "draft", safe_serialization=True)
-    write_tokenizer(root / "draft", draft.config.vocab_size)
     target = load_model(hf_gqa_llama)
     save_eagle_head(random_eagle_head(target, norms=True), root / "eagle")
     save_eagle3_head(random_eagle3_head(target, (1, 2), draft_vocab=200), root / "eagle3")
     save_mtp_head(random_mtp_head(target, seed=7), root / "mtp")
-    return {kind: root / kind for kind in ("draft", "eagle", "eagle3", "mtp")}
+    return {kind: root / kind for kind in ("eagle", "eagle3", "mtp")}
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     "method, head, k, spec_kw",
     [
-        ("none", None, 3, {}),
-        ("draft", "draft", 3, {}),
         ("ngram", None, 3, {}),
         ("eagle", "eagle", 3, {}),
         ("eagle", "eagle", 3, {"tree": "fixed"}),
-        ("eagle", "eagle", 3, {"tree": "dynamic"}),
         ("eagle", "eagle3", 3, {}),
         ("mtp", "mtp", 3, {}),
-        ("mtp", "mtp", 1, {}),
     ],
-    ids=[
-        "none", "draft", "ngram", "eagle-chain", "eagle-fixed", "eagle-dynamic", "eagle3-chain",
-        "mtp-k", "mtp-1",
-    ],
+    ids=["ngram", "eagle-chain", "eagle-fixed", "eagle3-chain", "mtp-k"],
 )  # fmt: skip
 async def test_two_ranks_on_a_transformers_llama_with_gqa(
     hf_gqa_llama, gqa_drafters, method, head, k, spec_kw
@@ -258,7 +237,7 @@ async def test_two_ranks_on_a_transformers_llama_with_gqa(
     draft = gqa_drafters[head] if head else None
     config = make_config(hf_gqa_llama, method, draft, k=k, pages=64, spec_kw=spec_kw)
     prompts = [[p % 300 for p in prompt] for prompt in PROMPTS]
-    one, two = await greedy_both(config, prompts, kept=method in ("draft", "ngram"))
+    one, two = await greedy_both(config, prompts, kept=method == "ngram")
     assert all(len(t) == GREEDY.max_tokens for t in one)
     assert two == one
 
