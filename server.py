@@ -454,9 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
             "draft tokens a step; with the cost model, the most (MTP with 1: no-sync mode)",
         ),
         "--calibration": (str, "PATH", None, "cost model curves: read if present, else saved"),
-        "--tree-nodes": (int, "N", spec.tree_nodes, "EAGLE dynamic tree: nodes verified a step"),
-        "--tree-depth": (int, "D", spec.tree_depth, "EAGLE dynamic tree: levels drafted"),
-        "--tree-topk": (int, "K", spec.tree_topk, "EAGLE dynamic tree: children per node"),
+        "--tree-nodes": (int, "N", spec.tree_nodes, "dynamic tree: nodes verified a step"),
+        "--tree-depth": (int, "D", spec.tree_depth, "dynamic tree: levels drafted"),
+        "--tree-topk": (int, "K", spec.tree_topk, "dynamic tree: children per node"),
         "--host": (str, "HOST", server.host, "address to listen on"),
         "--port": (int, "PORT", server.port, "port to listen on; 0: a free one"),
         "--api-key": (str, "KEY", None, "require `Authorization: Bearer KEY` on all but /health"),
@@ -511,7 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tree",
         choices=TREE_SHAPES,
         default=spec.tree,
-        help="EAGLE: draft a chain, a fixed tree or the dynamic EAGLE-2 tree "
+        help="EAGLE and MTP heads: draft a chain, a fixed tree or the dynamic EAGLE-2 tree "
         f"(default: {spec.tree})",
     )
     for flag, (kind, metavar, default, text) in flags.items():

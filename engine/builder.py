@@ -37,7 +37,7 @@ from models.parallel import shard_module
 from models.tokenizer import Tokenizer
 from stages.draft import Drafter, LeaderDrafts, NgramDrafter, NoDrafter
 from stages.draft_model import DraftModelDrafter
-from stages.head_drafter import HeadDrafter
+from stages.head_drafter import Head, HeadDrafter
 from stages.history import TokenHistory
 from stages.insert import insert_kernel
 from stages.refill import RefillStage
@@ -287,12 +287,15 @@ class Builder:
                 )
             cache = self.cache_for(model, num_pages)
             return DraftModelDrafter(model, cache, attention, rows, sampled)
-        if spec.method == "eagle":
-            eagle = load_eagle_head(self._head_dir(spec, "eagle", "EAGLE"), target)
-            self.prepare(eagle, head=True)  # one layer: a one-layer cache
+        if spec.method in ("eagle", "mtp"):
+            head: Head
+            if spec.method == "eagle":
+                head = load_eagle_head(self._head_dir(spec, "eagle", "EAGLE"), target)
+            else:
+                head = load_mtp_head(self._head_dir(spec, "mtp", "MTP"), target)
+            self.prepare(head, head=True)  # one layer: a one-layer cache
             if spec.tree == "chain":
-                cache = self.cache_for(eagle, num_pages)
-                return HeadDrafter(eagle, cache, attention, rows, sampled)
+                return HeadDrafter(head, self.cache_for(head, num_pages), attention, rows, sampled)
             shape: FixedTree | DynamicTree
             if spec.tree == "fixed":
                 shape = FixedTree(spec.tree_paths, self.device)
@@ -302,13 +305,9 @@ class Builder:
             # head KV while the tree is drafted
             page_size = self.config.kv.page_size
             scratch_pages = -(-rows * shape.scratch_size // page_size)
-            cache = self.cache_for(eagle, num_pages + scratch_pages)
+            cache = self.cache_for(head, num_pages + scratch_pages)
             start = num_pages * page_size
-            return TreeDrafter(eagle, cache, attention, rows, shape, target_cache, start, sampled)
-        if spec.method == "mtp":
-            head = load_mtp_head(self._head_dir(spec, "mtp", "MTP"), target)
-            self.prepare(head, head=True)
-            return HeadDrafter(head, self.cache_for(head, num_pages), attention, rows, sampled)
+            return TreeDrafter(head, cache, attention, rows, shape, target_cache, start, sampled)
         raise ValueError(f"speculative method {spec.method!r} is not available yet")
 
     def _head_dir(self, spec: SpecConfig, method: str, name: str) -> Path:

@@ -57,8 +57,8 @@ class SpecConfig:
     # the accepted tokens save
     adaptive_k: bool = True
     calibration: str | None = None  # cost curves: loaded from here if present, else saved
-    # EAGLE tree drafting: a chain verifies the fewest rows; trees pay with a head that
-    # accepts well (the verify batch holds tree_nodes + 1 rows per sequence)
+    # a head's (EAGLE or MTP) tree drafting: a chain verifies the fewest rows; trees pay with
+    # a head that accepts well (the verify batch holds tree_nodes + 1 rows per sequence)
     tree: str = "chain"
     # dynamic tree: N nodes; a verify of N + 1 rows costs more than a one-token step, and
     # the more so the larger N (docs/performance.md: One-off studies; bench/results/NOTES.md)
@@ -83,8 +83,8 @@ class SpecConfig:
     def _check_tree(self) -> None:
         if self.tree not in TREE_SHAPES:
             raise ValueError(f"unknown tree {self.tree!r}; choose from {TREE_SHAPES}")
-        if self.tree != "chain" and self.method != "eagle":
-            raise ValueError(f"tree drafting ({self.tree}) needs the eagle method")
+        if self.tree != "chain" and self.method not in ("eagle", "mtp"):
+            raise ValueError(f"tree drafting ({self.tree}) needs a head: the eagle or mtp method")
         if not 1 <= self.tree_nodes <= 64:
             raise ValueError(f"tree_nodes must be in 1..64, got {self.tree_nodes}")
         if not 1 <= self.tree_depth <= 16 or not 1 <= self.tree_topk <= 16:
@@ -118,7 +118,7 @@ class SpecConfig:
     def one_token_mode(self) -> bool:
         """MTP with k = 1: the host plans each step before the previous one is sampled (the
         device settles the lengths), so nothing on the device waits for the host."""
-        return self.method == "mtp" and self.num_speculative_tokens == 1
+        return self.method == "mtp" and self.num_speculative_tokens == 1 and self.tree == "chain"
 
     @property
     def picks_k(self) -> bool:

@@ -17,6 +17,7 @@ from kv.table import PageTable
 from models.attention import CausalAttention, TorchPagedAttention, paged_metadata
 from models.eagle import save_eagle3_head, save_eagle_head
 from models.loader import load_model
+from models.mtp import save_mtp_head
 from server import config_from_args
 from stages import tree_drafter
 from stages.draft import refill_columns
@@ -34,7 +35,7 @@ from tests.stats import (
     chi_square_pvalue,
     exact_joint,
 )
-from tests.tiny import random_eagle3_head, random_eagle_head, write_model
+from tests.tiny import random_eagle3_head, random_eagle_head, random_mtp_head, write_model
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 DRAWS = {"fixed": N, "dynamic": N}  # requests of the sampling-law tests
@@ -46,10 +47,10 @@ TREES = {
 }
 
 
-def tree_config(target, head, tree: str, sampled_drafts: bool = True, **kw):
+def tree_config(target, head, tree: str, sampled_drafts: bool = True, method="eagle", **kw):
     """Every decode step drafts the whole tree (no cost model shrinking it)."""
     spec = TREES[tree] | {"adaptive_k": False, "sampled_drafts": sampled_drafts}
-    return make_config(target, "eagle", head, spec_kw=spec, **kw)
+    return make_config(target, method, head, spec_kw=spec, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +208,7 @@ def test_best_nodes_form_a_tree_with_parents_first():
     "kw, message",
     [
         (dict(tree="wide"), "unknown tree"),
-        (dict(method="draft", tree="fixed"), "needs the eagle method"),
+        (dict(method="draft", tree="fixed"), "needs a head"),
         (dict(tree="dynamic", tree_nodes=30, tree_depth=2, tree_topk=3), "12 candidates"),
         (dict(tree="fixed", tree_paths=((0,), (1, 0))), "lacks its parent"),
     ],
@@ -330,6 +331,26 @@ def small_eagle3(small, tmp_path_factory):
 async def test_greedy_eagle3_trees_equal_plain(small_eagle3, prompts, expected, tree):
     """Drafts from the reduced vocabulary are accepted (d2t maps them to the right ids)."""
     async with running(tree_config(*small_eagle3, tree, pages=48, max_batch_tokens=64)) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
+        assert [token_ids(out) for out in outs] == expected
+        assert engine.scheduler.num_preemptions > 0
+        await engine.wait_idle()
+        assert engine.allocator.num_free == engine.allocator.num_pages
+    assert sum(out[-1].usage.accepted_tokens for out in outs) > 0
+
+
+@pytest.fixture(scope="module")
+def small_mtp(small, tmp_path_factory):
+    """An MTP head for `small`'s target (its pairs sit one position later than EAGLE's)."""
+    head = tmp_path_factory.mktemp("small_mtp")
+    save_mtp_head(random_mtp_head(load_model(small[0]), seed=4, scale=1.0), head)
+    return small[0], head
+
+
+@pytest.mark.parametrize("tree", ["fixed", "dynamic"])
+async def test_greedy_mtp_trees_equal_plain(small_mtp, prompts, expected, tree):
+    config = tree_config(*small_mtp, tree, method="mtp", pages=48, max_batch_tokens=64)
+    async with running(config) as engine:
         outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
         assert [token_ids(out) for out in outs] == expected
         assert engine.scheduler.num_preemptions > 0
