@@ -46,7 +46,7 @@ class TreeDrafter(HeadDrafter):
         super().__init__(head, cache, attention, max_rows, sampled)
         self.shape = shape
         self.target_cache = target_cache
-        self.scratch_start = scratch_start  # first scratch slot; row r owns S after r * S
+        self.scratch_start = scratch_start  # the first scratch slot (scratch_slots)
 
     def propose(self, plan: Plan, dev: DevicePlan) -> Drafts:
         st, shape = dev.sampling, self.shape
@@ -118,12 +118,20 @@ class TreeDrafter(HeadDrafter):
         if shared.tree is None:
             meta, s = dev.target_meta, self.shape.scratch_size
             device = meta.kv_slots.device
-            scratch = self.scratch_start + dev.rows[:, None] * s + torch.arange(s, device=device)
+            scratch = scratch_slots(self.scratch_start, dev.rows, s, self.cache.page_size)
             keys = torch.arange(meta.kv_slots.shape[1], device=device)
             committed = (keys[None, :] < dev.base[:, None] + self.offset)[:, None]
             kv_slots = torch.cat([meta.kv_slots, scratch], 1)
             shared.tree = TreeKeys(scratch, kv_slots, committed, SharedKeys())
         return shared.tree
+
+
+def scratch_slots(start: int, rows: torch.Tensor, size: int, page_size: int) -> torch.Tensor:
+    """[B, size] the scratch slots of each of `rows` [B]: row r's on pages of their own from
+    start + r * `size` rounded up to whole pages, so that a kernel that reads keys page by page
+    (FlashInfer) finds a row's scratch keys on its pages."""
+    stride = -(-size // page_size) * page_size
+    return start + rows[:, None] * stride + torch.arange(size, device=rows.device)
 
 
 @dataclass

@@ -103,6 +103,22 @@ def test_ancestors_and_mask_follow_the_paths():
         assert seen == list(range(base + 1)) + [base + 1 + j for j in path_of(i)]
 
 
+def test_each_rows_scratch_sits_on_pages_of_its_own():
+    """A paged kernel (FlashInfer) reads a row's keys page by page: each page's first slot,
+    then the slots after it. A tree level's keys (the committed ones over whole pages, then the
+    row's scratch) read back as themselves, and no two rows share a scratch page."""
+    ps, size, rows = 4, 6, torch.tensor([0, 3, 1])
+    committed = torch.randperm(10)[: 2 * len(rows)].view(-1, 2)  # 2 pages a row
+    committed = (committed[..., None] * ps + torch.arange(ps)).flatten(1)  # [B, 8]
+    scratch = tree_drafter.scratch_slots(10 * ps, rows, size, ps)  # past the 10 pages
+    keys = torch.cat([committed, scratch], 1)  # [B, 14]
+    pages = torch.div(keys[:, ::ps], ps, rounding_mode="floor")  # [B, 4]
+    read = (pages[..., None] * ps + torch.arange(ps)).flatten(1)[:, : keys.shape[1]]
+    assert torch.equal(read, keys)
+    scratch_pages = [set(torch.div(row, ps, rounding_mode="floor").tolist()) for row in scratch]
+    assert all(a.isdisjoint(b) for i, a in enumerate(scratch_pages) for b in scratch_pages[i + 1 :])
+
+
 def test_refill_runs_up_to_the_longest_accepted_prefix_on_the_cpu():
     accepted = torch.tensor([0, 2, 1])
     assert refill_columns(accepted, width=5) == 3  # accepted drafts and the emitted token
