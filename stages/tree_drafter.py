@@ -80,7 +80,7 @@ class TreeDrafter(HeadDrafter):
     def roots(self, dev: DevicePlan) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [B, V] of the root's children, the head feature [B, H] paired with them):
         the deferred outputs, so the first level costs no forward."""
-        return self.deferred_logits[dev.rows].float(), self.deferred_hidden[dev.rows]
+        return self.deferred_logits[dev.rows], self.deferred_hidden[dev.rows]
 
     def expand(
         self,
