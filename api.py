@@ -17,8 +17,17 @@ from collections.abc import AsyncIterable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeGuard
 
-from core.params import INT32_MAX, MAX_LOGIT_BIAS, SamplingParams
+from core.params import INT32_MAX, MAX_LOGIT_BIAS, Grammar, SamplingParams
 from engine.request import Delta, FinishReason, TokenLogprob, Usage
+from structured import (
+    StructuredError,
+    ToolChoice,
+    call_body,
+    grammar_of,
+    valid_response_format,
+    valid_tool,
+    valid_tool_choice,
+)
 
 JSON = dict[str, Any]
 
@@ -29,7 +38,7 @@ class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
     def token_bytes(self, token_id: int) -> bytes: ...
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
+    def encode_chat(self, messages: list[dict[str, Any]], **extra: Any) -> list[int]: ...
     @property
     def chat_template(self) -> str | None: ...
 
@@ -53,6 +62,7 @@ class Engine(Protocol):
     def metrics(self) -> Metrics: ...
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
+    async def compile_grammar(self, grammar: Grammar) -> None: ...
     def submit(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterable[Delta]: ...
@@ -182,10 +192,6 @@ def _logit_bias(v: Any) -> bool:
     )
 
 
-def _text_format(v: Any) -> bool:
-    return type(v) is dict and v.get("type") == "text" and len(v) == 1
-
-
 # "developer" is the newer name of "system"; tool messages and calls need a template for them
 ROLES = ("system", "developer", "user", "assistant", "tool")
 NONE = lambda v: False  # noqa: E731 - only null (absent) passes
@@ -225,6 +231,12 @@ COMMON_FIELDS: dict[str, tuple[Check, str]] = {
     ),
     "n": (_is(1), "1 (one choice per request is supported)"),
     "user": (_str, "a string"),  # an end-user id: changes nothing here
+    # structured output (structured.py checks what these hold)
+    "structured_outputs": (lambda v: type(v) is dict, "an object"),
+    "guided_json": (lambda v: type(v) is dict or _str(v), "a JSON schema"),
+    "guided_regex": (_str, "a string"),
+    "guided_choice": (lambda v: type(v) is list, "a list of strings"),
+    "guided_grammar": (_str, "a string"),
 }
 COMPLETION_FIELDS = COMMON_FIELDS | {
     "prompt": (lambda v: _str(v) or type(v) is list, "a string or a list of token ids"),
@@ -243,9 +255,18 @@ CHAT_FIELDS = COMMON_FIELDS | {
     "logprobs": (_bool, "a boolean"),
     "top_logprobs": (_in(0, 20), "an integer in 0..20"),
     "max_completion_tokens": (_in(1, INT32), f"an integer in [1, {INT32}]"),
-    "response_format": (_text_format, '{"type": "text"} (json modes are not supported)'),
-    "tools": (_is([]), "empty (tools are not supported)"),
-    "tool_choice": (_is("none"), '"none" (tools are not supported)'),
+    "response_format": (
+        valid_response_format,
+        "an object whose type is text, json_object or json_schema",
+    ),
+    "tools": (
+        lambda v: type(v) is list and all(map(valid_tool, v)),
+        'a list of {"type": "function", "function": {"name", "parameters"}}',
+    ),
+    "tool_choice": (
+        valid_tool_choice,
+        '"none", "auto", "required" or {"type": "function", "function": {"name"}}',
+    ),
     "parallel_tool_calls": (_bool, "a boolean"),
     "functions": (_is([]), "empty (functions are not supported)"),
     "function_call": (_is("none"), '"none" (functions are not supported)'),
@@ -378,8 +399,11 @@ def completion_prompt(value: str | list[Any], engine: Engine) -> list[int]:
     return value
 
 
-def chat_prompt(messages: list[dict[str, Any]], engine: Engine) -> list[int]:
-    """The conversation's ids through the model's chat template (tokenizer.encode_chat)."""
+def chat_prompt(
+    messages: list[dict[str, Any]], engine: Engine, tools: list[JSON] | None = None
+) -> list[int]:
+    """The conversation's ids through the model's chat template (tokenizer.encode_chat), which
+    sees the request's tools where it has a form for them."""
     flat = [_template_message(m) for m in messages]
     check_text_length(sum(len(m["content"]) for m in flat), engine)
     tools = [m["role"] for m in flat if m["role"] == "tool" or "tool_calls" in m]
@@ -392,7 +416,7 @@ def chat_prompt(messages: list[dict[str, Any]], engine: Engine) -> list[int]:
             param="messages",
         )
     try:
-        return engine.tokenizer.encode_chat(flat)
+        return engine.tokenizer.encode_chat(flat, **({"tools": tools} if tools else {}))
     except ValueError as e:  # no template, or the template refused the conversation
         raise ApiError(400, str(e)) from e
 
@@ -453,6 +477,7 @@ def sampling_params(
     bias = [(int(k), float(v)) for k, v in fields.get("logit_bias", {}).items()]
     check_ids([t for t, _ in bias], engine.vocab_size, "'logit_bias'")
     return SamplingParams(
+        grammar=structured_output(fields)[0],
         max_tokens=max_tokens,
         top_k=max(fields.get("top_k", 0), 0),  # -1 is off too, as in other servers
         stop=(stop,) if isinstance(stop, str) else tuple(stop),
@@ -461,6 +486,14 @@ def sampling_params(
         logit_bias=tuple(bias),
         **{name: fields[name] for name in PASSED_THROUGH if name in fields},
     )
+
+
+def structured_output(fields: JSON) -> tuple[Grammar | None, ToolChoice | None]:
+    """What the output must match, and the forced tool call; a 400 naming the field."""
+    try:
+        return grammar_of(fields)
+    except StructuredError as e:
+        raise ApiError(400, str(e), param=e.param) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -477,6 +510,7 @@ class Job:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     continuous_usage: bool  # stream_options.continuous_usage_stats: usage on every chunk
+    tool: ToolChoice | None = None  # a forced tool call: the output is its arguments
 
 
 def make_job(
@@ -491,6 +525,7 @@ def make_job(
         stream=fields.get("stream", False),
         include_usage=options.get("include_usage", False),
         continuous_usage=options.get("continuous_usage_stats", False),
+        tool=structured_output(fields)[1],
     )
 
 
@@ -618,6 +653,10 @@ class ChatReply(Reply):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
+    def __init__(self, job: Job, model: str, tokenizer: Tokenizer):
+        super().__init__(job, model, tokenizer)
+        self.call_started = False  # a streamed forced call has sent its id and name
+
     def logprob_entry(self, token_id: int, logprob: float) -> JSON:
         token_bytes = list(self.tokenizer.token_bytes(token_id))  # a character's piece, maybe
         return {"token": self.token_text(token_id), "logprob": logprob, "bytes": token_bytes}
@@ -638,17 +677,41 @@ class ChatReply(Reply):
         return [self.envelope(self.object_chunk, [choice | {"logprobs": None}])]
 
     def chunk_choice(self, delta: Delta, finish: str | None) -> JSON:
+        body = {"content": delta.text} if self.job.tool is None else self.tool_delta(delta)
         return {
             "index": 0,
-            "delta": {"content": delta.text},
+            "delta": body,
             "logprobs": self.logprobs_body(delta.logprobs or []),
-            "finish_reason": finish,
+            "finish_reason": self.tool_finish(finish),
         }
 
     def full_choice(self, finish: str | None) -> JSON:
+        text = "".join(self.text)
+        message: JSON = {"role": "assistant", "content": text}
+        if self.job.tool is not None:
+            calls = self.job.tool.calls(text)
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
         return {
             "index": 0,
-            "message": {"role": "assistant", "content": "".join(self.text)},
+            "message": message,
             "logprobs": self.logprobs_body(self.logprobs),
-            "finish_reason": finish,
+            "finish_reason": self.tool_finish(finish),
         }
+
+    def tool_delta(self, delta: Delta) -> JSON:
+        """A forced call streamed: a named function's arguments as they come (its id and name
+        first); a "required" call, whose name is inside the output, whole at the end."""
+        assert self.job.tool is not None
+        if self.job.tool.name is None:
+            if delta.finish_reason is None:
+                return {}
+            return {"tool_calls": [self.job.tool.calls("".join(self.text))[0] | {"index": 0}]}
+        if self.call_started:
+            return {"tool_calls": [{"index": 0, "function": {"arguments": delta.text}}]}
+        self.call_started = True
+        return {"tool_calls": [call_body(self.job.tool.name, delta.text) | {"index": 0}]}
+
+    def tool_finish(self, finish: str | None) -> str | None:
+        """A forced call that completed ends with "tool_calls", as OpenAI's calls do."""
+        complete = self.job.tool is not None and finish == FinishReason.STOP.value
+        return "tool_calls" if complete else finish

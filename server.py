@@ -280,6 +280,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompt_ids = await off_loop(completion_prompt, fields["prompt"], engine)
     params = sampling_params(fields, fields.get("max_tokens", 16), fields.get("logprobs"), engine)
     job = make_job("cmpl", prompt_ids, params, fields, engine)
+    if params.grammar is not None:  # on a worker thread, within a time limit (else a 400)
+        await engine.compile_grammar(params.grammar)
     return await respond(request, CompletionReply(job, request.app[MODEL], engine.tokenizer))
 
 
@@ -289,13 +291,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_model(fields, request.app[MODEL])
     if "top_logprobs" in fields and not fields.get("logprobs"):
         raise ApiError(400, "'top_logprobs' needs 'logprobs' set to true")
-    prompt_ids = await off_loop(chat_prompt, fields["messages"], engine)
+    prompt_ids = await off_loop(chat_prompt, fields["messages"], engine, fields.get("tools"))
     max_tokens = fields.get("max_completion_tokens", fields.get("max_tokens"))
     if max_tokens is None:
         max_tokens = rest_of_context(len(prompt_ids), engine.max_model_len)
     logprobs = fields.get("top_logprobs", 0) if fields.get("logprobs") else None
     params = sampling_params(fields, max_tokens, logprobs, engine)
     job = make_job("chatcmpl", prompt_ids, params, fields, engine)
+    if params.grammar is not None:
+        await engine.compile_grammar(params.grammar)
     return await respond(request, ChatReply(job, request.app[MODEL], engine.tokenizer))
 
 

@@ -20,6 +20,24 @@ MIN_TEMPERATURE = 1e-5
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
 
 
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf")
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a request's output must match (structured output). `source` is, by kind: a JSON
+    schema (serialised), nothing (any JSON object), a regular expression, a JSON list of the
+    allowed strings, or a grammar in xgrammar's EBNF. Hashable: compiled grammars are cached
+    by it."""
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise InvalidRequest(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -37,6 +55,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; n: the chosen token's and the top n
     num_speculative_tokens: int | None = None  # per-request cap on k
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    grammar: Grammar | None = None  # structured output: what the output must match
 
     def __post_init__(self) -> None:
         """Every value within what the sampler stores it in; a message names the field."""
@@ -61,6 +80,8 @@ class SamplingParams:
             _check_float("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
         if not all(self.stop):
             raise InvalidRequest("stop strings must not be empty")
+        if self.grammar is not None and self.ignore_eos:
+            raise InvalidRequest("ignore_eos cannot be set with a grammar, which ends at eos")
 
     @property
     def greedy(self) -> bool:

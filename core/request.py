@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from core.params import SamplingParams
 
@@ -17,6 +18,25 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"
     ERROR = "error"
+    # the grammar reached a state no token of the vocabulary continues: the output ends there
+    GRAMMAR = "grammar_dead_end"
+
+
+class Matcher(Protocol):
+    """A grammar's state after a request's tokens (xgrammar's GrammarMatcher)."""
+
+    vocab_size: int  # its masks cover token ids 0 .. vocab_size - 1
+
+    @property
+    def stop_token_ids(self) -> list[int]: ...  # the tokens that end the grammar (eos)
+
+    def fill_next_token_bitmask(self, bitmask: Any, index: int) -> Any: ...
+
+    def accept_token(self, token_id: int) -> bool: ...
+
+    def rollback(self, num_tokens: int) -> None: ...
+
+    def is_terminated(self) -> bool: ...
 
 
 @dataclass
@@ -80,7 +100,8 @@ class Delta:
 class Request:
     """Host-side state of one request. Its output (`output_ids`, `finish_reason`) is written
     by its OutputStream alone (engine/output.py), its progress (`inflight`, `acceptance`) by
-    the scheduler alone (engine/scheduler.py); the rest never changes."""
+    the scheduler alone (engine/scheduler.py), its grammar's `matcher` by the compute stream
+    alone (stages/grammar.py); the rest never changes."""
 
     request_id: str
     prompt_ids: list[int]
@@ -91,6 +112,7 @@ class Request:
     finish_reason: FinishReason | None = None
     inflight: int = 0  # scheduled steps whose tokens are not yet known on the host
     acceptance: AcceptanceRate = field(default_factory=AcceptanceRate)  # for the cost model
+    matcher: Matcher | None = None  # structured output: the grammar after the committed tokens
 
     @property
     def num_tokens(self) -> int:

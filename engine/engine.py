@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import itertools
 import logging
@@ -33,11 +34,12 @@ from engine.builder import Builder
 from engine.config import EngineConfig
 from engine.device import Event, run_on_device
 from engine.executor import Executor, Packed, StepRun
+from engine.grammar import Grammars
 from engine.metrics import EngineMetrics
 from engine.parallel import Group
 from engine.planner import Planner
 from engine.publish import Publisher, RequestStream
-from engine.request import EngineFailed, InvalidRequest, Overloaded, SamplingParams
+from engine.request import EngineFailed, Grammar, InvalidRequest, Overloaded, SamplingParams
 from engine.supervisor import Supervisor
 from engine.trace import Tracer
 from models.parallel import traffic
@@ -136,6 +138,20 @@ class AsyncEngine:
         self._tasks = []
         self.executor.close()
         self.tracer.close()
+        if "grammars" in self.__dict__:
+            self.grammars.close()
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Structured output's compiler, made at the first request with a grammar."""
+        return Grammars(self.tokenizer, self.vocab_size)
+
+    async def compile_grammar(self, grammar: Grammar) -> None:
+        """Compile a grammar off the event loop before `submit` takes a request with it;
+        raises InvalidRequest (invalid, unsupported, or past the time limit)."""
+        if self.group is not None:
+            raise InvalidRequest("structured output is not supported under tensor parallelism")
+        await self.grammars.compile(grammar)
 
     def submit(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
@@ -157,6 +173,8 @@ class AsyncEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._derived_seed(request_id)
         request = Request(request_id, ids, params, seed, time.monotonic())
+        if params.grammar is not None:  # compiled already (compile_grammar), or refused here
+            request.matcher = self.grammars.matcher(params.grammar)
         if not self.outputs:  # the watchdog counts from the first pending request
             self.supervisor.arrived()
         stream = self.publisher.add(request)
@@ -176,6 +194,8 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams) -> list[Delta]:
         """All deltas of one request (a convenience for tests and benchmarks)."""
+        if params.grammar is not None:
+            await self.compile_grammar(params.grammar)
         return [delta async for delta in self.submit(prompt, params)]
 
     def _derived_seed(self, request_id: str) -> int:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from core.params import InvalidRequest, SamplingParams
+from core.params import Grammar, InvalidRequest, SamplingParams
 from core.request import Delta, FinishReason, Request, TokenLogprob, Usage
 
 __all__ = [
     "Delta",
     "EngineFailed",
     "FinishReason",
+    "Grammar",
     "InvalidRequest",
     "Overloaded",
     "Request",

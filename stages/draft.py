@@ -10,11 +10,13 @@ import torch
 from core.params import SamplingTensors
 from core.step import DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
 from models.attention import CausalAttention
+from stages.grammar import DraftWalk, GrammarWalk
 from stages.sampling import (
     SALT_DRAFT,
     add_logit_bias,
     coupling_noise,
     draw,
+    mask_logits,
     perturbed_argmax,
     process_logits,
     uniform,
@@ -50,8 +52,12 @@ def draft_chain(
     """plan.k draft tokens, each chosen from the drafter's current logits; between tokens,
     `step(token [B], state, j)` runs the drafter over draft j and returns its next logits and
     state (what a head feeds back: its hidden state; nothing for a draft model). A greedy
-    batch's q would be the argmax's point mass anyway, so it drafts greedily."""
+    batch's q would be the argmax's point mass anyway, so it drafts greedily. Requests with a
+    grammar draft from q masked by it (no draft is spent on a token the target's masked law
+    cannot accept; where one token is allowed, q and p are both its point mass)."""
     st, k = dev.sampling, plan.k
+    walk = GrammarWalk.of(plan.seqs)
+    grammar = DraftWalk(walk) if walk is not None else None
     u = noise = None  # [B, k] the drafts' uniforms, drawn at once (positions base + 1 ..)
     if sampled and not st.all_greedy:
         positions = dev.base[:, None] + 1 + torch.arange(k + 1, device=dev.base.device)
@@ -62,12 +68,18 @@ def draft_chain(
     probs: list[torch.Tensor] = []
     for j in range(k):
         u_j = None if u is None else u[:, j]
+        if grammar is not None:
+            logits = mask_logits(logits[:, None], grammar.allowed()[:, None])[:, 0]
         token, q = choose_drafts(logits, st, u_j, None if noise is None else noise[:, j])
         tokens.append(token)
         if q is not None:
             probs.append(q)
+        if grammar is not None:
+            grammar.advance(token.tolist())
         if j + 1 < k:
             logits, state = step(token, state, j)
+    if grammar is not None:
+        grammar.undo()
     stacked = torch.stack(probs, 1) if probs else None
     return Drafts(torch.stack(tokens, 1), stacked, noise=noise)
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from core.params import SamplingTensors
 from core.step import DevicePlan, Drafts, Plan, TargetOutput, Verdict
+from stages.grammar import GrammarWalk
 from stages.history import TokenHistory
 from stages.sampling import (
     PenaltyState,
@@ -29,13 +30,33 @@ class SampleStage:
         self.vocab_size = vocab_size
 
     def __call__(self, plan: Plan, dev: DevicePlan, out: TargetOutput, drafts: Drafts) -> Verdict:
+        """The verdict; the requests' grammars (if any) then stand after the emitted tokens."""
+        walk = GrammarWalk.of(plan.seqs)
+        verdict = self._verdict(plan, dev, out, drafts, walk)
+        if walk is not None:  # the host needs the tokens: a sync where the device is not it
+            walk.commit(verdict.tokens.tolist(), verdict.num_emitted.tolist())
+        return verdict
+
+    def _verdict(
+        self,
+        plan: Plan,
+        dev: DevicePlan,
+        out: TargetOutput,
+        drafts: Drafts,
+        walk: GrammarWalk | None,
+    ) -> Verdict:
         st = dev.sampling
         first = dev.base + 1  # position of the first token this step emits
         penalties = self._penalties(dev, first) if st.any_penalty else None
         if plan.k and drafts.parents is not None:
-            return self._tree(plan, dev, out, drafts, penalties)
+            return self._tree(plan, dev, out, drafts, penalties, walk)
         draft_tokens = drafts.tokens if plan.k else None
-        probs = process_logits(out.logits, st, penalties, draft_tokens)  # [B, W, V]
+        allowed = None
+        if walk is not None:
+            listed = draft_tokens.tolist() if draft_tokens is not None else [[]] * len(plan.seqs)
+            capped = [row[:n] for row, n in zip(listed, plan.num_drafts, strict=True)]
+            allowed = walk.chain(capped, plan.width)
+        probs = process_logits(out.logits, st, penalties, draft_tokens, allowed)  # [B, W, V]
         if st.coupled is not None:  # row j: position first + j
             probs = couple(probs, st, first, None, plan.k, drafts.noise)
         if plan.k:
@@ -58,10 +79,15 @@ class SampleStage:
         out: TargetOutput,
         drafts: Drafts,
         penalties: PenaltyState | None,
+        walk: GrammarWalk | None,
     ) -> Verdict:
         """The tree rule; tokens padded to [B, W] like a chain's."""
         st = dev.sampling
-        probs = _tree_probs(out.logits, st, penalties, drafts)
+        allowed = None
+        if walk is not None:
+            assert drafts.parents is not None
+            allowed = walk.tree(drafts.tokens.tolist(), drafts.parents.tolist())
+        probs = _tree_probs(out.logits, st, penalties, drafts, allowed)
         assert drafts.parents is not None and drafts.depths is not None
         first = dev.base + 1
         if st.coupled is not None:  # the root's row: position first; node i's: first + depth_i
@@ -113,11 +139,12 @@ def _tree_probs(
     st: SamplingTensors,
     penalties: PenaltyState | None,
     drafts: Drafts,
+    allowed: torch.Tensor | None,  # [B, N + 1, V] bool: the grammar's masks; None: no grammar
 ) -> torch.Tensor:
     """[B, N + 1, V] processed target distributions; with penalties, a node's row counts the
     tokens on its own path (its ancestors and itself), as plain decoding would."""
     if penalties is None:
-        return process_logits(logits, st)
+        return process_logits(logits, st, allowed=allowed)
     assert drafts.ancestors is not None
     b, w, v = logits.shape
     tokens = drafts.tokens  # [B, N]
@@ -126,7 +153,9 @@ def _tree_probs(
     on_path = drafts.ancestors.float() @ hits  # [B, N, V]
     counts = penalties.output_counts[:, None] + F.pad(on_path, (0, 0, 1, 0))  # [B, W, V]
     rows = PenaltyState(counts.view(b * w, v), penalties.prompt_mask.repeat_interleave(w, 0))
-    return process_logits(logits.view(b * w, 1, v), _repeat_rows(st, w), rows).view(b, w, v)
+    flat = None if allowed is None else allowed.view(b * w, 1, -1)
+    probs = process_logits(logits.view(b * w, 1, v), _repeat_rows(st, w), rows, allowed=flat)
+    return probs.view(b, w, v)
 
 
 def _repeat_rows(st: SamplingTensors, n: int) -> SamplingTensors:

@@ -279,25 +279,38 @@ def couple(
 # ---- logits processing ----
 
 
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """logits [B, S, V'] at -inf where the grammar's `allowed` [B, S, V] bool is False: over the
+    first min(V, V') ids as it says, and always past V (a drafter's padded vocabulary)."""
+    if allowed is None:
+        return logits
+    width = min(logits.shape[-1], allowed.shape[-1])
+    keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    keep[..., :width] = allowed[..., :width].to(logits.device)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
 def process_logits(
     logits: torch.Tensor,
     st: SamplingTensors,
     penalties: PenaltyState | None = None,
     draft_tokens: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Target (or drafter) logits -> the distributions the acceptance rules compare.
 
     logits: [B, S, V]; draft_tokens: [B, S-1] int64, the tokens before positions 1..S-1
-    (-1 for padding). Returns probabilities [B, S, V] (float32, or float64 for float64
-    logits) after, in this order: penalties (position j counts the output so far plus draft
-    tokens 0..j-1, so that verifying k drafts sees what k plain steps would see), logit bias,
-    temperature, top-k (ties with the k-th kept), top-p, min-p. Greedy rows are one-hot at the
-    argmax of the penalised, biased logits.
+    (-1 for padding); allowed: [B, S, V] bool, a grammar's masks (None: no grammar). Returns
+    probabilities [B, S, V] (float32, or float64 for float64 logits) after, in this order:
+    penalties (position j counts the output so far plus draft tokens 0..j-1, so that verifying
+    k drafts sees what k plain steps would see), logit bias, the grammar's mask, temperature,
+    top-k (ties with the k-th kept), top-p, min-p. Greedy rows are one-hot at the argmax of the
+    penalised, biased, masked logits.
     """
     logits = cast(logits, torch.promote_types(logits.dtype, torch.float32))
     if penalties is not None and st.any_penalty:
         logits = _apply_penalties(logits, st, penalties, draft_tokens)
-    logits = add_logit_bias(logits, st.logit_bias)
+    logits = mask_logits(add_logit_bias(logits, st.logit_bias), allowed)
     vocab = logits.shape[-1]
     if st.all_greedy:
         return _one_hot(logits.argmax(-1), vocab, logits.dtype)

@@ -113,6 +113,8 @@ def served(tmp_path_factory) -> Iterator[Served]:
 
 KEY = {"Authorization": "Bearer sesame"}
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+# fmt: off
 HOSTILE: list[tuple[str, str, Any, int, str]] = [
     # (what, route, body, status, message)
     ("top_k 2^63", C, {"prompt": "a", "top_k": 2**63}, 400, "'top_k' must be an integer in"),
@@ -136,15 +138,31 @@ HOSTILE: list[tuple[str, str, Any, int, str]] = [
     ("lone surrogate", C, b'{"prompt": "a\\ud800b"}', 400, "lone surrogate"),
     ("surrogate in a key", C, b'{"prompt": "a", "\\udfff": 1}', 400, "lone surrogate"),
     ("non-UTF-8 body", C, b'{"prompt": "\xff\xfe"}', 400, "not valid JSON"),
-    (
-        "response_format json",
-        CHAT,
-        {"messages": USER, "response_format": {"type": "json_object"}},
-        400,
-        "'response_format' must be",
-    ),
+    ("response_format xml", CHAT, {"messages": USER, "response_format": {"type": "xml"}}, 400,
+     "response_format's type must be"),
+    ("response_format 7", CHAT, {"messages": USER, "response_format": 7}, 400,
+     "'response_format' must be"),
+    ("schema not a schema", CHAT, {"messages": USER, "response_format": {"type": "json_schema",
+     "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"$ref":
+     "#/nowhere"}}}}}}, 400, "invalid json_schema"),
+    ("schema not an object", CHAT, {"messages": USER, "response_format": {"type": "json_schema",
+     "json_schema": {"schema": [1]}}}, 400, "'schema' object"),
+    ("regex unclosed", C, {"prompt": "a", "structured_outputs": {"regex": "(["}}, 400,
+     "invalid regex"),
+    ("two constraints", C, {"prompt": "a", "guided_regex": "a", "guided_choice": ["b"]}, 400,
+     "only one of"),
+    ("choice empty", C, {"prompt": "a", "guided_choice": []}, 400, "non-empty strings"),
+    ("grammar bad", C, {"prompt": "a", "guided_grammar": "root ::= ("}, 400, "invalid ebnf"),
+    ("structured two keys", C, {"prompt": "a", "structured_outputs": {"regex": "a",
+     "choice": ["a"]}}, 400, "must hold one of"),
+    ("grammar with ignore_eos", C, {"prompt": "a", "guided_regex": "a+", "ignore_eos": True},
+     400, "ignore_eos"),
     ("tools", CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "'tools'"),
-    ("tool_choice", CHAT, {"messages": USER, "tool_choice": "required"}, 400, "'tool_choice'"),
+    ("tool_choice no tools", CHAT, {"messages": USER, "tool_choice": "required"}, 400,
+     "'tool_choice' needs 'tools'"),
+    ("tool_choice auto", CHAT, {"messages": USER, "tools": [TOOL]}, 400, "'auto' is not"),
+    ("tool_choice unknown", CHAT, {"messages": USER, "tools": [TOOL], "tool_choice": {
+     "type": "function", "function": {"name": "nope"}}}, 400, "not a tool"),
     ("n 2", CHAT, {"messages": USER, "n": 2}, 400, "'n' must be 1"),
     ("best_of 2", C, {"prompt": "a", "best_of": 2}, 400, "'best_of'"),
     ("echo", C, {"prompt": "a", "echo": True}, 400, "'echo'"),
@@ -165,6 +183,7 @@ HOSTILE: list[tuple[str, str, Any, int, str]] = [
     ),
     ("unknown field", C, {"prompt": "a", "frobnicate": 1}, 400, "not a known field"),
 ]
+# fmt: on
 
 
 @pytest.mark.parametrize("what, route, body, status, message", HOSTILE, ids=[h[0] for h in HOSTILE])

@@ -1,0 +1,408 @@
+"""Structured output: the grammar's masks along drafts, outputs that validate against their
+schemas with every drafter, greedy equality with and without speculation under a grammar, and
+the sampled law of a small grammar (chi-square, against the law of p masked token by token).
+And the openai client's response_format, tools and extra fields, unmodified."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from core.params import Grammar, InvalidRequest, SamplingParams, SamplingTensors
+from engine.grammar import Grammars
+from engine.request import FinishReason
+from models.attention import CausalAttention
+from models.eagle import save_eagle_head
+from models.loader import load_model
+from models.mtp import save_mtp_head
+from models.tokenizer import Tokenizer
+from stages.grammar import GrammarWalk, unpack
+from stages.sampling import process_logits
+from tests.engine_util import make_config, ragged_prompts, running, token_ids
+from tests.fakes import served
+from tests.stats import assert_law, chi_square_p_value
+from tests.test_server import openai_client, real_engine
+from tests.tiny import random_eagle_head, random_mtp_head, write_model
+
+S = {"type": "string", "maxLength": 6}
+SCHEMAS = [
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+    {"type": "object", "properties": {"name": S, "age": {"type": "integer", "minimum": 0,
+     "maximum": 120}}, "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+    {"type": "object", "properties": {"x": {"type": "number", "minimum": -5, "maximum": 5}},
+     "required": ["x"]},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}},
+     "required": ["color"]},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": S, "maxItems": 3}},
+     "required": ["tags"]},
+    {"type": "object", "properties": {"p": {"type": "object", "properties": {"q": S},
+     "required": ["q"]}}, "required": ["p"]},
+    {"type": "object", "properties": {"v": {"anyOf": [{"type": "integer"}, S]}},
+     "required": ["v"]},
+    {"type": "object", "properties": {"n": {"type": "null"}, "k": {"const": "fixed"}},
+     "required": ["n", "k"]},
+    {"type": "object", "properties": {"a": S, "b": S}, "required": ["a"],
+     "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 1,
+     "maxItems": 4},
+    {"type": "object", "properties": {"m": {"type": "array", "items": {"type": "array",
+     "items": {"type": "boolean"}, "maxItems": 2}, "maxItems": 2}}, "required": ["m"]},
+    {"type": "object", "properties": {"id": {"type": "integer", "minimum": 100,
+     "maximum": 999}, "kind": {"enum": ["a", "b"]}}, "required": ["id", "kind"]},
+    {"type": "object", "properties": {"u": {"anyOf": [{"type": "null"}, {"type": "object",
+     "properties": {"w": {"type": "boolean"}}, "required": ["w"]}]}}, "required": ["u"]},
+    {"type": "object", "properties": {"s": {"type": "string", "pattern": "^[a-c]{2,3}$"}},
+     "required": ["s"]},
+    {"type": "object", "properties": {"r": {"type": "number"}, "t": {"type": "integer"}},
+     "required": ["r", "t"], "additionalProperties": False},
+    {"type": "object", "properties": {"deep": {"type": "object", "properties": {"deeper": {
+     "type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 3}},
+     "required": ["x"]}}, "required": ["deeper"]}}, "required": ["deep"]},
+    {"type": "object", "properties": {"e": {"type": "array", "items": {"enum": [1, 2, 3]},
+     "maxItems": 3}}, "required": ["e"]},
+    {"type": "object", "properties": {"opt": S}, "additionalProperties": False},
+    {"type": "object", "properties": {"z": {"type": "integer", "minimum": -3, "maximum": 3},
+     "y": {"type": "boolean"}, "x": S}, "required": ["z", "y", "x"]},
+    {"type": "string", "enum": ["yes", "no", "maybe"]},
+    {"type": "integer", "minimum": 10, "maximum": 20},
+    {"type": "object", "properties": {"list": {"type": "array", "items": {"type": "object",
+     "properties": {"k": S}, "required": ["k"], "additionalProperties": False},
+     "maxItems": 2}}, "required": ["list"]},
+    {"type": "object", "properties": {"b": {"type": "boolean"}, "n": {"type": "null"}},
+     "required": ["b"], "additionalProperties": False},
+]  # fmt: skip
+GRAMMARS = [Grammar("json_schema", json.dumps(s)) for s in SCHEMAS]
+GREEDY = SamplingParams(max_tokens=96, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_target):
+    return Tokenizer(tiny_target)
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer):
+    return Grammars(tokenizer, 320)
+
+
+def matcher(grammars, grammar: Grammar):
+    asyncio.run(grammars.compile(grammar))
+    return grammars.matcher(grammar)
+
+
+def allowed_ids(mask: torch.Tensor) -> set[int]:
+    return set(mask.nonzero().flatten().tolist())
+
+
+# ---------------------------------------------------------------- masks along drafts
+
+
+def test_a_walk_masks_each_prefix_and_leaves_the_matcher_where_it_was(grammars, tokenizer):
+    m = matcher(grammars, Grammar("choice", json.dumps(["ab", "abc", "b"])))
+    walk = GrammarWalk([m])
+    ids = tokenizer.encode("abc", add_special_tokens=False)
+    before, _ = walk.mask(m, [])
+    masks, walked = walk.mask(m, ids)
+    assert walked == len(ids)
+    assert torch.equal(masks[0], before[0])
+    for j in range(len(ids)):  # each draft is allowed by the mask before it
+        assert masks[j, ids[j]]
+    assert allowed_ids(masks[-1]) == {tokenizer.eos_token_id}  # "abc" is complete
+    assert torch.equal(walk.mask(m, [])[0], before)  # rolled back
+
+
+def test_a_walk_stops_at_the_first_forbidden_draft(grammars, tokenizer):
+    m = matcher(grammars, Grammar("regex", "[0-9]+"))
+    walk = GrammarWalk([m, None])
+    digit, letter = (tokenizer.encode(c, add_special_tokens=False)[0] for c in "7x")
+    masks = walk.chain([[digit, letter, digit], [letter, letter, letter]], width=4)
+    assert masks.shape == (2, 4, 320)
+    assert masks[0, 0, digit] and not masks[0, 0, letter]
+    assert masks[0, 1, digit] and not masks[0, 1, letter]  # after "7"
+    assert masks[0, 2].all() and masks[0, 3].all()  # past the forbidden "x": never read
+    assert masks[1].all()  # no grammar
+
+
+def test_tree_masks_follow_each_nodes_path(grammars, tokenizer):
+    m = matcher(grammars, Grammar("choice", json.dumps(["ab", "ba"])))
+    a, b = (tokenizer.encode(c, add_special_tokens=False)[0] for c in "ab")
+    # root -> a -> b ; root -> b -> a ; root -> a -> a (forbidden)
+    tokens, parents = [[a, b, b, a, a]], [[-1, -1, 0, 1, 0]]
+    masks = GrammarWalk([m]).tree(tokens, parents)
+    assert allowed_ids(masks[0, 0]) >= {a, b}
+    assert allowed_ids(masks[0, 1]) == {b}  # after "a"
+    assert allowed_ids(masks[0, 2]) == {a}  # after "b"
+    eos = tokenizer.eos_token_id
+    assert allowed_ids(masks[0, 3]) == {eos} and allowed_ids(masks[0, 4]) == {eos}
+    assert masks[0, 5].all()  # "aa" is not in the grammar: nothing reads its row
+
+
+def test_bitmasks_unpack_little_endian():
+    bits = torch.tensor([[1 - 2**31, 2]], dtype=torch.int32)  # bits 0 and 31; bit 1
+    assert allowed_ids(unpack(bits, 40)[0]) == {0, 31, 33}
+
+
+def test_bad_grammars_are_refused_with_what_is_wrong(grammars):
+    for grammar, words in [
+        (Grammar("json_schema", "{not json"), "JSON"),
+        (Grammar("regex", "(["), "Regex"),
+        (Grammar("json_schema", json.dumps({"$ref": "#/missing"})), "missing"),
+    ]:
+        with pytest.raises(InvalidRequest, match=words):
+            asyncio.run(grammars.compile(grammar))
+
+
+def test_a_slow_compile_is_refused_at_its_time_limit(tiny_target, monkeypatch):
+    grammars = Grammars(Tokenizer(tiny_target), 320, timeout_s=0.05)
+    monkeypatch.setattr(grammars, "_compile", lambda g: __import__("time").sleep(1))
+    with pytest.raises(InvalidRequest, match="longer than"):
+        asyncio.run(grammars.compile(Grammar("regex", "a")))
+
+
+# ---------------------------------------------------------------- through the engine
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_target, tmp_path_factory):
+    root = tmp_path_factory.mktemp("grammar_heads")
+    target = load_model(tiny_target)
+    save_eagle_head(random_eagle_head(target, norms=True), root / "eagle")
+    save_mtp_head(random_mtp_head(target), root / "mtp")
+    return root
+
+
+PROMPTS = ragged_prompts(len(GRAMMARS), 300, seed=23)
+
+
+async def generate_all(config, params: SamplingParams = GREEDY) -> list[list]:
+    async with running(config) as engine:
+        return await asyncio.gather(
+            *(
+                engine.generate(p, dataclasses.replace(params, grammar=g))
+                for p, g in zip(PROMPTS, GRAMMARS, strict=True)
+            )
+        )
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_target):
+    return asyncio.run(generate_all(make_config(tiny_target, max_running=32)))
+
+
+def check_outputs(outs: list[list]) -> None:
+    """Every output that ended parses and validates; most end (within max_tokens)."""
+    ended = 0
+    for deltas, schema in zip(outs, SCHEMAS, strict=True):
+        if deltas[-1].finish_reason == FinishReason.STOP:
+            jsonschema.validate(json.loads("".join(d.text for d in deltas)), schema)
+            ended += 1
+        else:
+            assert deltas[-1].finish_reason == FinishReason.LENGTH
+    assert ended >= 0.75 * len(outs), f"{ended} of {len(outs)} outputs ended"
+
+
+def test_plain_outputs_validate(plain):
+    check_outputs(plain)
+
+
+DRAFTERS = {
+    "draft": lambda target, heads, draft: make_config(target, "draft", draft, k=3),
+    "ngram": lambda target, heads, draft: make_config(target, "ngram", k=3),
+    "eagle": lambda target, heads, draft: make_config(target, "eagle", heads / "eagle", k=3),
+    "eagle-tree": lambda target, heads, draft: make_config(
+        target,
+        "eagle",
+        heads / "eagle",
+        spec_kw={"tree": "dynamic", "tree_nodes": 7, "tree_depth": 3, "tree_topk": 3},
+    ),  # fmt: skip
+    "mtp": lambda target, heads, draft: make_config(target, "mtp", heads / "mtp", k=3),
+}
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+async def test_greedy_speculation_under_a_grammar_equals_plain(
+    tiny_target, tiny_draft, heads, plain, drafter
+):
+    config = DRAFTERS[drafter](tiny_target, heads, tiny_draft)
+    outs = await generate_all(dataclasses.replace(config, max_running=32))
+    assert [token_ids(o) for o in outs] == [token_ids(o) for o in plain]
+    check_outputs(outs)
+    assert sum(o[-1].usage.draft_tokens for o in outs) > 0
+
+
+@pytest.mark.parametrize("drafter", ["draft", "eagle-tree"])
+async def test_sampled_outputs_under_a_grammar_validate(tiny_target, tiny_draft, heads, drafter):
+    config = DRAFTERS[drafter](tiny_target, heads, tiny_draft)
+    params = SamplingParams(max_tokens=96, temperature=1.0)
+    check_outputs(await generate_all(dataclasses.replace(config, max_running=32), params))
+
+
+async def test_a_dead_end_says_so(tmp_path):
+    """A grammar no token of the vocabulary continues ends at once, with its own reason."""
+    target = write_model(tmp_path / "t", layers=1, hidden=16, seed=3, model_vocab=8)
+    async with running(make_config(target)) as engine:
+        params = SamplingParams(max_tokens=8, temperature=0, grammar=Grammar("regex", "z+"))
+        deltas = await engine.generate([1, 2], params)
+    assert deltas[-1].finish_reason == FinishReason.GRAMMAR
+
+
+# ---------------------------------------------------------------- the sampled law
+
+N = 3000
+CHOICES = ['!"', '!"#', "#", "#!", "$$", '$"!']  # shared prefixes, over single-byte tokens
+LAW_PROMPT = [1, 2]
+
+
+def grammar_laws(target_dir, grammars: Grammars, grammar: Grammar) -> tuple[dict, dict]:
+    """P(output ids) when each token is drawn from p masked by the grammar at its position,
+    every path to eos enumerated; and, to tell them apart, the law of drawing whole outputs
+    from p until one is in the grammar (p conditioned on the grammar: another law)."""
+    model = load_model(target_dir)
+    m = grammars.matcher(grammar)
+    walk = GrammarWalk([m])
+    st = SamplingTensors.build([SamplingParams(temperature=1.0)], [0], "cpu")
+    masked: dict[tuple[int, ...], float] = {}
+    whole: dict[tuple[int, ...], float] = {}
+
+    def visit(path: list[int], mass: float, unmasked: float) -> None:
+        ids = torch.tensor(LAW_PROMPT + path)
+        with torch.no_grad():
+            hidden, _ = model(ids, torch.arange(len(ids)), CausalAttention(1, len(ids)))
+            logits = model.logits(hidden[-1:])[:, None].double()
+        allowed, _ = walk.mask(m, [])
+        probs = process_logits(logits, st, allowed=allowed[None])[0, 0]
+        free = process_logits(logits, st)[0, 0]
+        for token in probs.nonzero()[:, 0].tolist():
+            p, q = mass * probs[token].item(), unmasked * free[token].item()
+            if token == 0:  # eos: the output ends
+                masked[(*path, token)], whole[(*path, token)] = p, q
+                continue
+            assert m.accept_token(token)
+            visit(path + [token], p, q)
+            m.rollback(1)
+
+    visit([], 1.0, 1.0)
+    total = sum(whole.values())
+    return masked, {k: v / total for k, v in whole.items()}
+
+
+@pytest.fixture(scope="module")
+def law_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grammar_law")
+    target = write_model(root / "t", layers=1, hidden=16, seed=3, scale=1.5, model_vocab=8)
+    draft = write_model(root / "d", layers=1, hidden=16, seed=4, scale=1.5, model_vocab=8)
+    return target, draft
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method, seeded", [("none", False), ("draft", False), ("draft", True)])
+def test_sampled_output_follows_the_masked_law(law_models, method, seeded):
+    """Plain sampling, speculation by the rejection rule, and seeded requests' coupling."""
+    target, draft = law_models
+    grammar = Grammar("choice", json.dumps(CHOICES))
+    grammars = Grammars(Tokenizer(target), 8)
+    asyncio.run(grammars.compile(grammar))
+    expected, conditioned = grammar_laws(target, grammars, grammar)
+    assert abs(sum(expected.values()) - 1) < 1e-9
+    assert len(expected) >= len(CHOICES)  # every choice reachable
+    config = make_config(
+        target, method, draft if method == "draft" else None, k=2, pages=4 * N, page_size=4,
+        max_running=64, max_waiting=N, max_model_len=16,
+    )  # fmt: skip
+
+    async def draws() -> dict[tuple[int, ...], int]:
+        params = SamplingParams(max_tokens=6, temperature=1.0, grammar=grammar)
+        async with running(config) as engine:
+            seeds = [i if seeded else None for i in range(N)]
+            runs = [engine.generate(LAW_PROMPT, dataclasses.replace(params, seed=s)) for s in seeds]
+            outs = await asyncio.gather(*runs)
+        if method == "draft":
+            assert sum(o[-1].usage.draft_tokens for o in outs) > N
+        counts: dict[tuple[int, ...], int] = {}
+        for out in outs:
+            key = tuple(token_ids(out))
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    observed = asyncio.run(draws())
+    assert_law(observed, expected, N)
+    assert chi_square_p_value(observed, conditioned, N) < 1e-3  # whole outputs' law: refuted
+
+
+# ---------------------------------------------------------------- the openai client, unmodified
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": S, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "lookup", "parameters": PERSON}},
+    {"type": "function", "function": {"name": "ping", "parameters": {"type": "object",
+     "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}},
+]  # fmt: skip
+CHAT = dict(messages=[{"role": "user", "content": "a person"}], max_tokens=64, temperature=0)
+
+
+async def test_openai_response_format_and_tools_work_unmodified(tiny_target):
+    async with served(real_engine(tiny_target)) as url:
+        client = openai_client(url)
+        model = (await client.models.list()).data[0].id
+        schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+        full = await client.chat.completions.create(model=model, response_format=schema, **CHAT)
+        jsonschema.validate(json.loads(full.choices[0].message.content), PERSON)
+        stream = await client.chat.completions.create(
+            model=model, response_format=schema, stream=True, **CHAT
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        assert text == full.choices[0].message.content  # greedy: the same either way
+        obj = await client.chat.completions.create(
+            model=model, response_format={"type": "json_object"}, **CHAT
+        )
+        if obj.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+        named = {"type": "function", "function": {"name": "lookup"}}
+        call = await client.chat.completions.create(
+            model=model, tools=TOOLS, tool_choice=named, **CHAT
+        )
+        assert call.choices[0].finish_reason == "tool_calls"
+        (tool_call,) = call.choices[0].message.tool_calls
+        assert tool_call.function.name == "lookup" and tool_call.id.startswith("call_")
+        jsonschema.validate(json.loads(tool_call.function.arguments), PERSON)
+        stream = await client.chat.completions.create(
+            model=model, tools=TOOLS, tool_choice=named, stream=True, **CHAT
+        )
+        chunks = [c async for c in stream if c.choices]
+        deltas = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+        assert deltas[0].function.name == "lookup" and deltas[0].id
+        assert "".join(d.function.arguments or "" for d in deltas) == tool_call.function.arguments
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+        required = await client.chat.completions.create(
+            model=model, tools=TOOLS, tool_choice="required", **CHAT
+        )
+        (tool_call,) = required.choices[0].message.tool_calls
+        parameters = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        jsonschema.validate(
+            json.loads(tool_call.function.arguments), parameters[tool_call.function.name]
+        )
+
+        completion = await client.completions.create(
+            model=model, prompt="the answer:", max_tokens=8, temperature=0,
+            extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}},
+        )  # fmt: skip
+        assert completion.choices[0].text in ("alpha", "beta")
+        regex = await client.completions.create(
+            model=model, prompt="a number:", max_tokens=8, temperature=0,
+            extra_body={"guided_regex": "[0-9]{2,4}"},
+        )  # fmt: skip
+        assert re.fullmatch("[0-9]{2,4}", regex.choices[0].text)
