@@ -538,6 +538,7 @@ def usage_body(u: Usage) -> JSON:
             "draft_tokens": u.draft_tokens,
             "accepted_tokens": u.accepted_tokens,
             "steps": u.spec_steps,
+            "forced_tokens": u.forced_tokens,
         },
     }
 

@@ -81,6 +81,9 @@ class Usage:
     draft_tokens: int = 0  # draft tokens proposed for this request
     accepted_tokens: int = 0  # of those, accepted by the target
     spec_steps: int = 0  # verify steps that speculated
+    # tokens the request's grammar forced (the only one it allowed): completion tokens, and
+    # counted neither as drafted nor as accepted, though drafted for free where a step drafted
+    forced_tokens: int = 0
 
 
 @dataclass

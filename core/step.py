@@ -171,6 +171,7 @@ class Verdict:
     top_ids: torch.Tensor | None = None  # [B, W, n] the top-n tokens at each position
     top_logprobs: torch.Tensor | None = None  # [B, W, n]
     path: torch.Tensor | None = None  # [B, depth] a tree's accepted nodes, -1 padded
+    forced: torch.Tensor | None = None  # [B, W] bool: the grammar allowed emitted token j alone
 
 
 @dataclass
@@ -190,6 +191,7 @@ class Outcome:
     emitted: list[int]  # [B]
     accepted: list[int]  # [B]
     logprobs: TopLogprobs | None = None
+    forced: list[list[bool]] | None = None  # [B][W] see Verdict.forced
 
     @classmethod
     def of(cls, verdict: Verdict) -> Outcome:
@@ -200,9 +202,11 @@ class Outcome:
             logprobs = TopLogprobs(
                 verdict.logprobs.tolist(), verdict.top_ids.tolist(), verdict.top_logprobs.tolist()
             )
+        forced = None if verdict.forced is None else verdict.forced.tolist()
         return cls(
             verdict.tokens.tolist(),
             verdict.num_emitted.tolist(),
             verdict.num_accepted.tolist(),
             logprobs,
+            forced,
         )

@@ -35,7 +35,7 @@ from models.loader import load_model
 from models.mtp import load_mtp_head
 from models.parallel import shard_module
 from models.tokenizer import Tokenizer
-from stages.draft import Drafter, LeaderDrafts, NgramDrafter, NoDrafter
+from stages.draft import Drafter, ForcedDrafter, LeaderDrafts, NgramDrafter, NoDrafter
 from stages.draft_model import DraftModelDrafter
 from stages.head_drafter import Head, HeadDrafter
 from stages.history import TokenHistory
@@ -270,10 +270,13 @@ class Builder:
     ) -> Drafter:
         """The drafter for `spec.method`; its cache shares the target's page ids."""
         rows, sampled = self.config.max_running, spec.sampled_drafts
+        aware = spec.grammar_drafting
         if spec.method == "none":
             return NoDrafter()
         if spec.method == "ngram":
             return NgramDrafter(spec.ngram_min, spec.ngram_max)
+        if spec.method == "forced":
+            return ForcedDrafter()
         if spec.method == "draft" and self.group is not None and not self.group.leader:
             return LeaderDrafts()  # the draft model runs on the leader only
         if spec.method == "draft":
@@ -286,7 +289,7 @@ class Builder:
                     f"target's ({target.config.vocab_size})"
                 )
             cache = self.cache_for(model, num_pages)
-            return DraftModelDrafter(model, cache, attention, rows, sampled)
+            return DraftModelDrafter(model, cache, attention, rows, sampled, aware)
         if spec.method in ("eagle", "mtp"):
             head: Head
             if spec.method == "eagle":
@@ -295,7 +298,8 @@ class Builder:
                 head = load_mtp_head(self._head_dir(spec, "mtp", "MTP"), target)
             self.prepare(head, head=True)  # one layer: a one-layer cache
             if spec.tree == "chain":
-                return HeadDrafter(head, self.cache_for(head, num_pages), attention, rows, sampled)
+                cache = self.cache_for(head, num_pages)
+                return HeadDrafter(head, cache, attention, rows, sampled, aware)
             shape: FixedTree | DynamicTree
             if spec.tree == "fixed":
                 shape = FixedTree(spec.tree_paths, self.device)

@@ -6,7 +6,8 @@ import importlib.util
 import re
 from dataclasses import dataclass, field
 
-SPECULATIVE_METHODS = ("none", "draft", "ngram", "eagle", "mtp")
+# forced: no drafter, only the tokens a request's grammar forces (structured output)
+SPECULATIVE_METHODS = ("none", "draft", "ngram", "eagle", "mtp", "forced")
 ATTENTION_BACKENDS = ("torch", "flashinfer")  # engine/builder.py makes them
 ATTENTION_CHOICES = ("auto", *ATTENTION_BACKENDS)  # auto: flashinfer on CUDA where it imports
 DTYPES = ("float32", "bfloat16", "float16")
@@ -50,6 +51,9 @@ class SpecConfig:
     # an all-greedy step drafts the argmax either way, and a dynamic tree, which ranks its
     # candidates by score, always verifies top-k children (point masses)
     sampled_drafts: bool = True
+    # a request's grammar masks the drafter's q too (grammar-aware drafting): no draft is spent
+    # on a token the grammar forbids, and a token the grammar forces is drafted for free
+    grammar_drafting: bool = True
     ngram_min: int = 1  # n-gram drafter: shortest suffix matched against the context
     ngram_max: int = 4  # longest suffix tried first
     # the cost model picks each step's k in 0..num_speculative_tokens (engine/cost.py): a fixed

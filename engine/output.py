@@ -93,10 +93,14 @@ class OutputStream:
         return text[: len(text) - keep]
 
     def count_drafts(self, drafted: int, accepted: int) -> None:
-        """A speculative step's drafts, in the usage the request reports."""
+        """A speculative step's drafts, in the usage the request reports (without the tokens
+        the grammar forced, which count_forced counts)."""
         self.usage.spec_steps += 1
         self.usage.draft_tokens += drafted
         self.usage.accepted_tokens += accepted
+
+    def count_forced(self, forced: int) -> None:
+        self.usage.forced_tokens += forced
 
     def finish(self, reason: FinishReason, error: str | None = None) -> Delta:
         """The last delta of a request ended from outside (abort, error)."""

@@ -20,6 +20,7 @@ from core.step import Batch, Plan, Sequence, StepKind
 from engine.cost import CostModel
 from engine.executor import Packed
 from engine.scheduler import Scheduler
+from stages.grammar import host_drafts
 from stages.plan import draft_cap, make_plan, pack
 
 log = logging.getLogger("tandem.engine")
@@ -75,13 +76,17 @@ class Planner:
     def _make_plan(self, step: int, batch: Batch) -> Plan:
         """What the device needs for the batch's step: no state changes but a cache."""
         k = self._draft_length(batch.seqs) if batch.kind == StepKind.DECODE else 0
+        drafts = self.drafter.host_drafts(batch.seqs, k) if k else None
+        if drafts is not None:
+            drafts = [_with_grammar(s, d, k) for s, d in zip(batch.seqs, drafts, strict=True)]
+            k = max(map(len, drafts), default=0)  # no wider a step than its longest drafts
         return make_plan(
             batch,
             step,
             k,
             self.page_size,
             self.sampling_tensors(batch.seqs),
-            self.drafter.host_drafts(batch.seqs, k) if k else None,
+            drafts,
             [int(self.no_sync and s.request.inflight > 0) for s in batch.seqs],
         )
 
@@ -127,3 +132,11 @@ class Planner:
             return self.k
         caps = [draft_cap(s, self.k) for s in seqs]
         return self.cost.choose([s.request.acceptance.rate for s in seqs], caps)
+
+
+def _with_grammar(seq: Sequence, drafts: list[int], k: int) -> list[int]:
+    """A request's host drafts as far as its grammar allows them, then the tokens it forces.
+    The host drafts while no step is in flight past the last one it saw (a drafter with host
+    drafts needs every token), so the matcher is the compute stream's to read then too."""
+    matcher = seq.request.matcher
+    return drafts if matcher is None else host_drafts(matcher, drafts, draft_cap(seq, k))

@@ -81,9 +81,12 @@ class Publisher:
             output = self.outputs.get(seq.request.request_id)
             if output is None or seq.request.finish_reason is not None or not emitted:
                 continue
+            forced = outcome.forced[i] if outcome.forced is not None else [False] * emitted
+            output.count_forced(sum(forced[:emitted]))
             if plan.k:
                 accepted = outcome.accepted[i]
-                output.count_drafts(plan.num_drafts[i], accepted)
+                free = sum(forced[:accepted])  # accepted drafts the grammar forced
+                output.count_drafts(plan.num_drafts[i] - free, accepted - free)
                 self.scheduler.observe(seq.request, plan.num_drafts[i], accepted)
             elif self.cost is not None and decode:  # the cost model chose k = 0
                 self.scheduler.observe(seq.request, None)

@@ -48,15 +48,17 @@ def draft_chain(
     state: Any,
     step: Callable[[torch.Tensor, Any, int], tuple[torch.Tensor, Any]],
     sampled: bool,
+    grammar_aware: bool = True,
 ) -> Drafts:
     """plan.k draft tokens, each chosen from the drafter's current logits; between tokens,
     `step(token [B], state, j)` runs the drafter over draft j and returns its next logits and
     state (what a head feeds back: its hidden state; nothing for a draft model). A greedy
     batch's q would be the argmax's point mass anyway, so it drafts greedily. Requests with a
-    grammar draft from q masked by it (no draft is spent on a token the target's masked law
-    cannot accept; where one token is allowed, q and p are both its point mass)."""
+    grammar draft from q masked by it, when `grammar_aware` (no draft is spent on a token the
+    target's masked law cannot accept; where one token is allowed, q and p are both its point
+    mass); otherwise the sampler rejects a forbidden draft."""
     st, k = dev.sampling, plan.k
-    walk = GrammarWalk.of(plan.seqs)
+    walk = GrammarWalk.of(plan.seqs) if grammar_aware else None
     grammar = DraftWalk(walk) if walk is not None else None
     u = noise = None  # [B, k] the drafts' uniforms, drawn at once (positions base + 1 ..)
     if sampled and not st.all_greedy:
@@ -163,6 +165,14 @@ class LeaderDrafts(NoDrafter):
 
     def propose(self, plan: Plan, dev: DevicePlan) -> Drafts:
         raise RuntimeError("a draft model's drafts come with the leader's plan")
+
+
+class ForcedDrafter(NoDrafter):
+    """No model: a request's drafts are the tokens its grammar forces, added at plan time
+    (engine/planner.py, stages/grammar.py host_drafts); requests without one decode plainly."""
+
+    def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int]] | None:
+        return [[] for _ in seqs]
 
 
 class NgramDrafter(NoDrafter):

@@ -29,11 +29,13 @@ class DraftModelDrafter:
         attention: AttentionBackend,
         max_rows: int,
         sampled: bool,
+        grammar_aware: bool = True,
     ):
         self.model = model
         self.cache = cache
         self.attention = attention
         self.sampled = sampled
+        self.grammar_aware = grammar_aware
         vocab = model.config.vocab_size
         device = model.norm.weight.device
         self.deferred = torch.zeros(max_rows, vocab, device=device)  # [rows, V]
@@ -55,7 +57,8 @@ class DraftModelDrafter:
             slot = dev.tail_slots[:, j + 1 : j + 2]
             return self._forward(dev, None, token[:, None], position, slot), None
 
-        return draft_chain(plan, dev, self.deferred[dev.rows], None, step, self.sampled)
+        logits = self.deferred[dev.rows]
+        return draft_chain(plan, dev, logits, None, step, self.sampled, self.grammar_aware)
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
         a = verdict.num_accepted

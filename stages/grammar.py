@@ -135,6 +135,31 @@ class DraftWalk:
         self.walked = [0] * len(self.walked)
 
 
+def host_drafts(matcher: Matcher, proposed: list[int], k: int) -> list[int]:
+    """Up to k drafts for a request with a grammar, made on the host at plan time (when its
+    matcher stands after every committed token): the proposed tokens (n-gram's) as long as
+    the grammar allows them, then the tokens it forces (the one token its mask allows, which
+    the target's masked law accepts with probability 1: a free draft)."""
+    words = (matcher.vocab_size + 31) // 32
+    bits = torch.zeros(1, words, dtype=torch.int32)
+    drafts: list[int] = []
+    while len(drafts) < k and not matcher.is_terminated():
+        matcher.fill_next_token_bitmask(bits, 0)
+        j = len(drafts)
+        if j < len(proposed) and _has(bits[0], proposed[j]):
+            token = proposed[j]
+        else:
+            allowed = unpack(bits, matcher.vocab_size)[0].nonzero()
+            if j < len(proposed) or len(allowed) != 1:
+                break
+            token = int(allowed[0])
+        matcher.accept_token(token)
+        drafts.append(token)
+    if drafts:
+        matcher.rollback(len(drafts))
+    return drafts
+
+
 def commit(matcher: Matcher, tokens: Seq[int]) -> None:
     """Advance a matcher over tokens the sampler emitted (each allowed by its mask), up to the
     grammar's end: a token past it (after eos) finishes the request anyway."""

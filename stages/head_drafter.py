@@ -42,6 +42,7 @@ class HeadDrafter:
         attention: AttentionBackend,
         max_rows: int,
         sampled: bool,
+        grammar_aware: bool = True,
     ):
         self.head = head
         self.target_layers = head.target_layers
@@ -49,6 +50,7 @@ class HeadDrafter:
         self.cache = cache
         self.attention = attention
         self.sampled = sampled
+        self.grammar_aware = grammar_aware
         weight = head.target.norm.weight  # the target's device and dtype
         h, vocab = weight.shape[0], head.target.config.vocab_size
         self.deferred_logits = torch.zeros(max_rows, vocab, device=weight.device)  # [rows, V]
@@ -110,7 +112,7 @@ class HeadDrafter:
 
         logits = self.deferred_logits[dev.rows]  # [B, V]
         feature = self.deferred_hidden[dev.rows]  # [B, H]
-        return draft_chain(plan, dev, logits, feature, step, self.sampled)
+        return draft_chain(plan, dev, logits, feature, step, self.sampled, self.grammar_aware)
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
         """The pairs (emitted token j, the target's feature at base + j) for j < m

@@ -60,6 +60,8 @@ def make_plan(
         unknown = unknown or [0] * b
         c, base, num_drafts = _decode_columns(batch, k, unknown)
         emits = [True] * b
+        if host_drafts is not None:  # no more drafts than proposed
+            num_drafts = [min(n, len(d)) for n, d in zip(num_drafts, host_drafts, strict=True)]
     tables: list = [s.table for s in batch.seqs]  # kv.table.PageTable, seen through core
     csr = build_csr(tables, c.kv_lens, c.q_lens)
     drafts = host_drafts or [[]] * b

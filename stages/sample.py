@@ -37,6 +37,15 @@ class SampleStage:
             walk.commit(verdict.tokens.tolist(), verdict.num_emitted.tolist())
         return verdict
 
+    @staticmethod
+    def _forced(verdict: Verdict, allowed: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """Verdict.forced from the masks [B, R, V] of the rows the emitted tokens were drawn
+        from (`rows` [B, W]; None: row j for token j)."""
+        single = allowed.sum(-1) == 1  # [B, R]
+        if rows is not None:
+            single = single.gather(1, rows.cpu())
+        verdict.forced = single.to(verdict.tokens.device)
+
     def _verdict(
         self,
         plan: Plan,
@@ -57,6 +66,17 @@ class SampleStage:
             capped = [row[:n] for row, n in zip(listed, plan.num_drafts, strict=True)]
             allowed = walk.chain(capped, plan.width)
         probs = process_logits(out.logits, st, penalties, draft_tokens, allowed)  # [B, W, V]
+        verdict = self._chain(plan, dev, probs, drafts, first)
+        if plan.top_logprobs is not None:
+            self._logprobs(verdict, out.logits, plan.top_logprobs)
+        if allowed is not None:
+            self._forced(verdict, allowed, None)
+        return verdict
+
+    def _chain(
+        self, plan: Plan, dev: DevicePlan, probs: torch.Tensor, drafts: Drafts, first: torch.Tensor
+    ) -> Verdict:
+        st = dev.sampling
         if st.coupled is not None:  # row j: position first + j
             probs = couple(probs, st, first, None, plan.k, drafts.noise)
         if plan.k:
@@ -67,10 +87,7 @@ class SampleStage:
             tokens = sample(probs[:, 0], st.seeds, first, greedy=st.all_greedy)[:, None]
             accepted = torch.zeros_like(first)
         emitted = torch.where(dev.emits, accepted + 1, 0)
-        verdict = Verdict(tokens, accepted, emitted)
-        if plan.top_logprobs is not None:
-            self._logprobs(verdict, out.logits, plan.top_logprobs)
-        return verdict
+        return Verdict(tokens, accepted, emitted)
 
     def _tree(
         self,
@@ -109,12 +126,14 @@ class SampleStage:
         tokens = F.pad(tokens, (0, w - tokens.shape[1]), value=-1)
         emitted = torch.where(dev.emits, accepted + 1, 0)
         verdict = Verdict(tokens, accepted, emitted, path=path)
+        # emitted token j was drawn from the row of the path's node j - 1 (the root's: 0)
+        rows = torch.zeros_like(tokens)
+        rows[:, 1 : path.shape[1] + 1] = 1 + path.clamp(min=0)
         if plan.top_logprobs is not None:
-            # emitted token j was drawn from the row of the path's node j - 1 (the root's: 0)
-            rows = torch.zeros_like(tokens)
-            rows[:, 1 : path.shape[1] + 1] = 1 + path.clamp(min=0)
             logits = out.logits.gather(1, rows[..., None].expand(b, w, v))
             self._logprobs(verdict, logits, plan.top_logprobs)
+        if allowed is not None:
+            self._forced(verdict, allowed, rows)
         return verdict
 
     def _penalties(self, dev: DevicePlan, first: torch.Tensor) -> PenaltyState:

@@ -22,7 +22,7 @@ from models.eagle import save_eagle_head
 from models.loader import load_model
 from models.mtp import save_mtp_head
 from models.tokenizer import Tokenizer
-from stages.grammar import GrammarWalk, unpack
+from stages.grammar import GrammarWalk, host_drafts, unpack
 from stages.sampling import process_logits
 from tests.engine_util import make_config, ragged_prompts, running, token_ids
 from tests.fakes import served
@@ -144,6 +144,20 @@ def test_tree_masks_follow_each_nodes_path(grammars, tokenizer):
     assert masks[0, 5].all()  # "aa" is not in the grammar: nothing reads its row
 
 
+def test_host_drafts_follow_the_proposal_then_what_the_grammar_forces(grammars, tokenizer):
+    m = matcher(grammars, Grammar("regex", "x[0-9]!!!!"))
+    x, seven, bang = (tokenizer.encode(c, add_special_tokens=False)[0] for c in "x7!")
+    assert host_drafts(m, [], 3) == [x]  # forced, then a digit: ten tokens allowed
+    assert host_drafts(m, [x, seven], 6) == [x, seven, bang, bang, bang, bang]
+    assert host_drafts(m, [x, bang], 6) == [x]  # "!" is forbidden after "x"
+    assert host_drafts(m, [x, seven], 3) == [x, seven, bang]
+    assert walk_mask_ids(m) == walk_mask_ids(matcher(grammars, Grammar("regex", "x[0-9]!!!!")))
+
+
+def walk_mask_ids(m) -> set[int]:
+    return allowed_ids(GrammarWalk([m]).mask(m, [])[0][0])
+
+
 def test_bitmasks_unpack_little_endian():
     bits = torch.tensor([[1 - 2**31, 2]], dtype=torch.int32)  # bits 0 and 31; bit 1
     assert allowed_ids(unpack(bits, 40)[0]) == {0, 31, 33}
@@ -208,8 +222,13 @@ def check_outputs(outs: list[list]) -> None:
     assert ended >= 0.75 * len(outs), f"{ended} of {len(outs)} outputs ended"
 
 
+def plain_usage(outs: list[list]) -> list:
+    return [o[-1].usage for o in outs]
+
+
 def test_plain_outputs_validate(plain):
     check_outputs(plain)
+    assert sum(u.forced_tokens for u in plain_usage(plain)) > 0  # counted without drafting
 
 
 DRAFTERS = {
@@ -223,6 +242,10 @@ DRAFTERS = {
         spec_kw={"tree": "dynamic", "tree_nodes": 7, "tree_depth": 3, "tree_topk": 3},
     ),  # fmt: skip
     "mtp": lambda target, heads, draft: make_config(target, "mtp", heads / "mtp", k=3),
+    "draft-unaware": lambda target, heads, draft: make_config(
+        target, "draft", draft, k=3, spec_kw={"grammar_drafting": False}
+    ),
+    "forced": lambda target, heads, draft: make_config(target, "forced", k=4),
 }
 
 
@@ -234,7 +257,13 @@ async def test_greedy_speculation_under_a_grammar_equals_plain(
     outs = await generate_all(dataclasses.replace(config, max_running=32))
     assert [token_ids(o) for o in outs] == [token_ids(o) for o in plain]
     check_outputs(outs)
-    assert sum(o[-1].usage.draft_tokens for o in outs) > 0
+    usage = [o[-1].usage for o in outs]
+    assert sum(u.forced_tokens for u in usage) == sum(u.forced_tokens for u in plain_usage(plain))
+    if drafter == "forced":  # drafts only what the grammar forces: none counted as drafted
+        assert sum(u.spec_steps for u in usage) > 0
+        assert sum(u.draft_tokens + u.accepted_tokens for u in usage) == 0
+    else:
+        assert sum(u.draft_tokens for u in usage) > 0
 
 
 @pytest.mark.parametrize("drafter", ["draft", "eagle-tree"])
