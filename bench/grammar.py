@@ -1,0 +1,342 @@
+"""Structured output's speed: JSON extraction and forced tool calls (bench/grammar_tasks.json)
+at batch 1, greedy, eos honoured, the cost model choosing k.
+
+Methods: `none` (no grammar: the plain baseline), then with each request's grammar: `none`,
+`forced` (no drafter: only the tokens the grammar forces are drafted, the gain of forcing
+alone), and drafters with grammar-aware drafting (`eagle`, `mtp`, `draft`, `ngram`) or
+without it (`eagle-unaware`, ...: the drafter drafts from its own q and the sampler rejects what
+the grammar forbids), and `eagle-dynamic` (a tree, whose drafts the grammar masks in the
+sampler only). Per method: decode tokens/s (after the first token), the acceptance length
+(tokens a decode step), and the grammar's host time a step (masks along drafts, commits, host
+drafts). Methods run in turn, each on a fresh engine, `--rounds` times: compare within rounds.
+
+`--libraries` compares xgrammar and llguidance (if installed) on the tasks' grammars instead:
+compile time, and the time of a token's mask along the greedy output.
+
+    python -m bench.grammar --model smollm2 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import stages.grammar
+from core.params import Grammar, SamplingParams
+from core.step import StepKind
+from engine.builder import model_path
+from engine.config import EngineConfig, KVConfig, SpecConfig
+from engine.engine import AsyncEngine
+from models.tokenizer import Tokenizer
+from stages.sample import SampleStage
+from structured import grammar_of
+
+TASKS = Path(__file__).resolve().parent / "grammar_tasks.json"
+METHODS = ("none", "forced", "ngram", "draft", "eagle", "eagle-unaware", "eagle-dynamic", "mtp",
+           "mtp-unaware")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Task:
+    messages: list[dict[str, str]]
+    tools: list[dict[str, Any]] | None
+    grammar: Grammar
+
+
+def load_tasks() -> list[Task]:
+    """The committed tasks as chat requests, each with the grammar its fields ask for."""
+    spec = json.loads(TASKS.read_text())
+    tasks = []
+    for t in spec["extraction"]:
+        ask = f"Extract the information from this text as JSON.\n\n{t['text']}"
+        fields = {
+            "response_format": {"type": "json_schema", "json_schema": {"schema": t["schema"]}}
+        }
+        tasks.append(Task([{"role": "user", "content": ask}], None, grammar_of(fields)[0]))
+    tools = [
+        {"type": "function", "function": {"name": name, "parameters": parameters}}
+        for name, parameters in spec["functions"].items()
+    ]
+    for t in spec["tools"]:
+        choice = {"type": "function", "function": {"name": t["tool"]}}
+        grammar = grammar_of({"tools": tools, "tool_choice": choice})[0]
+        tasks.append(Task([{"role": "user", "content": t["request"]}], tools, grammar))
+    return [t for t in tasks if t.grammar is not None]
+
+
+def spec_for(method: str) -> SpecConfig:
+    base, _, variant = method.partition("-")
+    if base == "none":
+        return SpecConfig()
+    fields: dict[str, Any] = {"method": base}
+    if variant == "unaware":
+        fields["grammar_drafting"] = False
+    if variant == "dynamic":
+        fields["tree"] = "dynamic"
+    return SpecConfig(**fields)
+
+
+@dataclass
+class GrammarClock:
+    """Host time spent in stages/grammar.py, and the decode steps it was spent over."""
+
+    seconds: float = 0.0
+    steps: int = 0
+    originals: list[tuple[Any, str, Any]] = field(default_factory=list)
+
+    def __enter__(self) -> GrammarClock:
+        for owner, name in [
+            (stages.grammar.GrammarWalk, "chain"),
+            (stages.grammar.GrammarWalk, "tree"),
+            (stages.grammar.GrammarWalk, "commit"),
+            (stages.grammar.DraftWalk, "allowed"),
+            (stages.grammar.DraftWalk, "advance"),
+            (stages.grammar.DraftWalk, "undo"),
+            (stages.grammar, "host_drafts"),
+        ]:
+            self._wrap(owner, name, self._timed)
+        self._wrap(SampleStage, "__call__", self._counted)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, original in self.originals:
+            setattr(owner, name, original)
+
+    def _wrap(self, owner: Any, name: str, wrapper: Callable[[Any], Any]) -> None:
+        original = getattr(owner, name)
+        self.originals.append((owner, name, original))
+        setattr(owner, name, wrapper(original))
+
+    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kw: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return timed
+
+    def _counted(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(stage: Any, plan: Any, *args: Any) -> Any:
+            self.steps += plan.kind == StepKind.DECODE
+            return fn(stage, plan, *args)
+
+        return counted
+
+
+@dataclass
+class Row:
+    method: str
+    grammar: bool
+    tokens: int = 0
+    decode_s: float = 0.0
+    steps: int = 0
+    grammar_s: float = 0.0
+    forced: int = 0
+    valid: int = 0
+    requests: int = 0
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "method": self.method + ("" if self.grammar else " (no grammar)"),
+            "tok_s": round(self.tokens / self.decode_s, 2),
+            "acceptance_length": round(self.tokens / max(self.steps, 1), 3),
+            "grammar_ms_per_step": round(1e3 * self.grammar_s / max(self.steps, 1), 3),
+            "forced_share": round(self.forced / max(self.tokens, 1), 3),
+            "valid": f"{self.valid}/{self.requests}",
+        }
+
+
+async def run_method(
+    model: str | None, method: str, grammar: bool, tasks: list[Task], max_tokens: int
+) -> Row:
+    """The tasks in turn on a fresh engine; decode time counts from each first token."""
+    kv = KVConfig(page_size=16, num_pages=max(64, 4 * (max_tokens // 16 + 40)))
+    engine = AsyncEngine(EngineConfig(model, spec_for(method), kv, max_running=1))
+    await engine.start()
+    row = Row(method, grammar)
+    try:
+        for task in tasks[:1]:  # warm-up: the cost model's probes, the grammar compiler
+            await one(engine, task, grammar, max_tokens, Row(method, grammar))
+        with GrammarClock() as clock:
+            for task in tasks:
+                await one(engine, task, grammar, max_tokens, row)
+        row.steps, row.grammar_s = clock.steps, clock.seconds
+    finally:
+        await engine.stop()
+    return row
+
+
+async def one(engine: AsyncEngine, task: Task, grammar: bool, max_tokens: int, row: Row) -> None:
+    prompt = engine.tokenizer.encode_chat(task.messages, **_tools(task))
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0, grammar=task.grammar if grammar else None
+    )
+    if params.grammar is not None:
+        await engine.compile_grammar(params.grammar)
+    first = last = None
+    tokens, text, usage = 0, "", None
+    async for delta in engine.submit(prompt, params):
+        now = time.perf_counter()
+        if delta.token_ids:
+            first = now if first is None else first
+            last = now
+        tokens += len(delta.token_ids)
+        text += delta.text
+        usage = delta.usage or usage
+    row.tokens += tokens - 1  # the first token is the prefill's
+    row.decode_s += (last or 0.0) - (first or 0.0)
+    row.forced += usage.forced_tokens if usage else 0
+    row.requests += 1
+    row.valid += _parses(text)
+
+
+def _tools(task: Task) -> dict[str, Any]:
+    """The chat template's tools argument (a template without a form for them ignores it)."""
+    return {"tools": task.tools} if task.tools else {}
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+# ---- the libraries ----
+
+
+def compare_libraries(model: str | None, tasks: list[Task]) -> list[dict[str, Any]]:
+    """xgrammar and llguidance on each task's grammar: compile time and mask time per token
+    along a text that follows the grammar (the plain greedy output, made by our engine)."""
+    from engine.grammar import Grammars
+
+    tokenizer = Tokenizer(model_path(model))
+    outputs, vocab = asyncio.run(_greedy_outputs(model, tasks))
+    rows = []
+    ours = Grammars(tokenizer, vocab)
+    for task, ids in zip(tasks, outputs, strict=True):
+        start = time.perf_counter()
+        asyncio.run(ours.compile(task.grammar))
+        compile_s = time.perf_counter() - start
+        rows.append({"library": "xgrammar", "compile_ms": 1e3 * compile_s,
+                     "mask_us": _xgrammar_mask_us(ours, task.grammar, ids)})  # fmt: skip
+        try:
+            rows.append(_llguidance(tokenizer, vocab, task.grammar, ids))
+        except ImportError:
+            pass
+    return rows
+
+
+async def _greedy_outputs(model: str | None, tasks: list[Task]) -> tuple[list[list[int]], int]:
+    """The plain greedy output of each task, and the model's vocabulary size."""
+    engine = AsyncEngine(EngineConfig(model, kv=KVConfig(num_pages=128)))
+    await engine.start()
+    try:
+        outs = []
+        for task in tasks:
+            prompt = engine.tokenizer.encode_chat(task.messages, **_tools(task))
+            params = SamplingParams(max_tokens=128, temperature=0, grammar=task.grammar)
+            deltas = await engine.generate(prompt, params)
+            outs.append([t for d in deltas for t in d.token_ids])
+        return outs, engine.vocab_size
+    finally:
+        await engine.stop()
+
+
+def _xgrammar_mask_us(grammars: Any, grammar: Grammar, ids: list[int]) -> float:
+    import torch
+
+    matcher = grammars.matcher(grammar)
+    bits = torch.zeros(1, (matcher.vocab_size + 31) // 32, dtype=torch.int32)
+    times = []
+    for token in ids:
+        start = time.perf_counter()
+        matcher.fill_next_token_bitmask(bits, 0)
+        times.append(time.perf_counter() - start)
+        matcher.accept_token(token)
+    return 1e6 * statistics.median(times)
+
+
+def _llguidance(tokenizer: Tokenizer, vocab: int, grammar: Grammar, ids: list[int]) -> dict:
+    import llguidance  # noqa: PLC0415 - optional: pip install llguidance
+    import llguidance.torch as llt
+
+    start = time.perf_counter()
+    lltok = llguidance.LLTokenizer(
+        tokenizer.tokenizer.to_str(), n_vocab=vocab, eos_token=tokenizer.eos_token_id
+    )
+    tokenizer_s = time.perf_counter() - start
+    schema = json.loads(grammar.source)
+    start = time.perf_counter()
+    source = llguidance.LLMatcher.grammar_from_json_schema(
+        schema, defaults={"whitespace_flexible": False}
+    )
+    matcher = llguidance.LLMatcher(lltok, source)
+    compile_s = time.perf_counter() - start
+    bits = llt.allocate_token_bitmask(1, vocab)
+    times = []
+    for token in ids:
+        start = time.perf_counter()
+        llt.fill_next_token_bitmask(matcher, bits, 0)
+        times.append(time.perf_counter() - start)
+        matcher.consume_token(token)
+    return {
+        "library": "llguidance",
+        "compile_ms": 1e3 * compile_s,
+        "mask_us": 1e6 * statistics.median(times),
+        "tokenizer_s": tokenizer_s,
+    }
+
+
+# ---- the CLI ----
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.grammar", description=__doc__)
+    parser.add_argument("--model", default=None, help="smollm2, a path, or the demo (default)")
+    parser.add_argument("--methods", nargs="+", default=None, choices=METHODS)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--libraries", action="store_true", help="compare the grammar libraries")
+    parser.add_argument("--out", type=Path, default=None, help="write the rows here (JSON)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    tasks = load_tasks()
+    if args.libraries:
+        rows = compare_libraries(args.model, tasks)
+        for library in ("xgrammar", "llguidance"):
+            mine = [r for r in rows if r["library"] == library]
+            if mine:
+                compile_ms = statistics.median(r["compile_ms"] for r in mine)
+                mask_us = statistics.median(r["mask_us"] for r in mine)
+                print(f"{library}: compile {compile_ms:.2f} ms, mask {mask_us:.1f} us a token")
+        return 0
+    methods = args.methods or [m for m in METHODS if args.model is None or m != "draft"]
+    cells = [("none", False)] + [(m, True) for m in methods]
+    results: list[dict[str, Any]] = []
+    for round_ in range(args.rounds):
+        for method, grammar in cells:
+            row = asyncio.run(run_method(args.model, method, grammar, tasks, args.max_tokens))
+            body = row.body() | {"round": round_}
+            results.append(body)
+            print(json.dumps(body), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
