@@ -2,13 +2,15 @@
 at batch 1, greedy, eos honoured, the cost model choosing k.
 
 Methods: `none` (no grammar: the plain baseline), then with each request's grammar: `none`,
-`forced` (no drafter: only the tokens the grammar forces are drafted, the gain of forcing
-alone), and drafters with grammar-aware drafting (`eagle`, `mtp`, `draft`, `ngram`) or
-without it (`eagle-unaware`, ...: the drafter drafts from its own q and the sampler rejects what
-the grammar forbids), and `eagle-dynamic` (a tree, whose drafts the grammar masks in the
-sampler only). Per method: decode tokens/s (after the first token), the acceptance length
-(tokens a decode step), and the grammar's host time a step (masks along drafts, commits, host
-drafts). Methods run in turn, each on a fresh engine, `--rounds` times: compare within rounds.
+`grammar` (no model: the drafts are the tokens the grammar forces and the usual spelling of
+the strings it forces), `grammar-forced` (the forced tokens alone: the gain of forcing), the
+drafters with grammar-aware drafting (`eagle`, `mtp`, `draft`, `ngram`: n-gram's host drafts
+go on with what the grammar implies) or without it (`eagle-unaware`, `mtp-unaware`: drafts
+from the head's own q, which the sampler rejects where the grammar forbids them), and
+`eagle-dynamic` (a tree, masked in the sampler only). Per method: decode tokens/s (after the
+first token), the acceptance length (tokens a decode step), the grammar's host time a step
+(masks along drafts, commits, host drafts) and the share of tokens the grammar forced. Methods
+run in turn, each on a fresh engine, `--rounds` times: compare within rounds.
 
 `--libraries` compares xgrammar and llguidance (if installed) on the tasks' grammars instead:
 compile time, and the time of a token's mask along the greedy output.
@@ -39,8 +41,8 @@ from stages.sample import SampleStage
 from structured import grammar_of
 
 TASKS = Path(__file__).resolve().parent / "grammar_tasks.json"
-METHODS = ("none", "forced", "ngram", "draft", "eagle", "eagle-unaware", "eagle-dynamic", "mtp",
-           "mtp-unaware")  # fmt: skip
+METHODS = ("none", "grammar", "grammar-forced", "ngram", "draft", "eagle", "eagle-unaware",
+           "eagle-dynamic", "mtp", "mtp-unaware")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ def spec_for(method: str) -> SpecConfig:
     fields: dict[str, Any] = {"method": base}
     if variant == "unaware":
         fields["grammar_drafting"] = False
+    if variant == "forced":
+        fields["method"] = "grammar"
     if variant == "dynamic":
         fields["tree"] = "dynamic"
     return SpecConfig(**fields)
@@ -161,6 +165,8 @@ async def run_method(
     """The tasks in turn on a fresh engine; decode time counts from each first token."""
     kv = KVConfig(page_size=16, num_pages=max(64, 4 * (max_tokens // 16 + 40)))
     engine = AsyncEngine(EngineConfig(model, spec_for(method), kv, max_running=1))
+    if method == "grammar-forced":
+        engine.planner.spell = None  # forced tokens only
     await engine.start()
     row = Row(method, grammar)
     try:

@@ -38,6 +38,8 @@ class Matcher(Protocol):
 
     def is_terminated(self) -> bool: ...
 
+    def find_jump_forward_string(self) -> str: ...  # the text the grammar forces next
+
 
 @dataclass
 class AcceptanceRate:

@@ -35,7 +35,7 @@ from models.loader import load_model
 from models.mtp import load_mtp_head
 from models.parallel import shard_module
 from models.tokenizer import Tokenizer
-from stages.draft import Drafter, ForcedDrafter, LeaderDrafts, NgramDrafter, NoDrafter
+from stages.draft import Drafter, GrammarDrafter, LeaderDrafts, NgramDrafter, NoDrafter
 from stages.draft_model import DraftModelDrafter
 from stages.head_drafter import Head, HeadDrafter
 from stages.history import TokenHistory
@@ -275,8 +275,8 @@ class Builder:
             return NoDrafter()
         if spec.method == "ngram":
             return NgramDrafter(spec.ngram_min, spec.ngram_max)
-        if spec.method == "forced":
-            return ForcedDrafter()
+        if spec.method == "grammar":
+            return GrammarDrafter()
         if spec.method == "draft" and self.group is not None and not self.group.leader:
             return LeaderDrafts()  # the draft model runs on the leader only
         if spec.method == "draft":

@@ -6,8 +6,8 @@ import importlib.util
 import re
 from dataclasses import dataclass, field
 
-# forced: no drafter, only the tokens a request's grammar forces (structured output)
-SPECULATIVE_METHODS = ("none", "draft", "ngram", "eagle", "mtp", "forced")
+# grammar: no model; a request's drafts are what its grammar implies (structured output)
+SPECULATIVE_METHODS = ("none", "draft", "ngram", "eagle", "mtp", "grammar")
 ATTENTION_BACKENDS = ("torch", "flashinfer")  # engine/builder.py makes them
 ATTENTION_CHOICES = ("auto", *ATTENTION_BACKENDS)  # auto: flashinfer on CUDA where it imports
 DTYPES = ("float32", "bfloat16", "float16")

@@ -95,7 +95,7 @@ class AsyncEngine:
         self.planner = Planner(
             self.scheduler, self.drafter, self.cost, self.k, config.kv.page_size,
             self.vocab_size, self.device, self.no_sync, self._record, self.publisher.fail,
-            self.supervisor.count_failure,
+            self.supervisor.count_failure, self._spell,
         )  # fmt: skip
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
@@ -266,6 +266,9 @@ class AsyncEngine:
             return
         self._wake.clear()
         await self._wake.wait()
+
+    def _spell(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _wake_planner(self) -> None:
         self._wake.set()

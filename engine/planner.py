@@ -40,11 +40,13 @@ class Planner:
         record: Callable[..., None],  # the step timeline's (engine/trace.py)
         fail: Callable[[str, str], None],  # fail a request: its id and the message
         step_failed: Callable[[], None],  # the circuit breaker's count
+        spell: Callable[[str], list[int]] | None = None,  # text -> its usual tokens
     ):
         self.scheduler, self.drafter, self.cost = scheduler, drafter, cost
         self.k, self.page_size, self.vocab_size = k, page_size, vocab_size
         self.device, self.no_sync = device, no_sync
         self.record, self.fail, self.step_failed = record, fail, step_failed
+        self.spell = spell  # host drafts spell the strings a grammar forces with it
         # the last batch's requests and the sampling tensors built for them
         self._sampling: tuple[list[Request], SamplingTensors] | None = None
 
@@ -78,7 +80,7 @@ class Planner:
         k = self._draft_length(batch.seqs) if batch.kind == StepKind.DECODE else 0
         drafts = self.drafter.host_drafts(batch.seqs, k) if k else None
         if drafts is not None:
-            drafts = [_with_grammar(s, d, k) for s, d in zip(batch.seqs, drafts, strict=True)]
+            drafts = [self._with_grammar(s, d, k) for s, d in zip(batch.seqs, drafts, strict=True)]
             k = max(map(len, drafts), default=0)  # no wider a step than its longest drafts
         return make_plan(
             batch,
@@ -89,6 +91,15 @@ class Planner:
             drafts,
             [int(self.no_sync and s.request.inflight > 0) for s in batch.seqs],
         )
+
+    def _with_grammar(self, seq: Sequence, drafts: list[int], k: int) -> list[int]:
+        """A request's host drafts as far as its grammar allows them, then what it implies.
+        The host drafts while no step is in flight past the last one it saw (a drafter with
+        host drafts needs every token), so the matcher is the compute stream's to read then."""
+        matcher = seq.request.matcher
+        if matcher is None:
+            return drafts
+        return host_drafts(matcher, drafts, draft_cap(seq, k), self.spell)
 
     def _plan_failed(self, step: int, batch: Batch, error: Exception) -> None:
         culprits = [s for s in batch.seqs if self._fails_alone(step, batch, s)]
@@ -132,11 +143,3 @@ class Planner:
             return self.k
         caps = [draft_cap(s, self.k) for s in seqs]
         return self.cost.choose([s.request.acceptance.rate for s in seqs], caps)
-
-
-def _with_grammar(seq: Sequence, drafts: list[int], k: int) -> list[int]:
-    """A request's host drafts as far as its grammar allows them, then the tokens it forces.
-    The host drafts while no step is in flight past the last one it saw (a drafter with host
-    drafts needs every token), so the matcher is the compute stream's to read then too."""
-    matcher = seq.request.matcher
-    return drafts if matcher is None else host_drafts(matcher, drafts, draft_cap(seq, k))

@@ -167,9 +167,10 @@ class LeaderDrafts(NoDrafter):
         raise RuntimeError("a draft model's drafts come with the leader's plan")
 
 
-class ForcedDrafter(NoDrafter):
-    """No model: a request's drafts are the tokens its grammar forces, added at plan time
-    (engine/planner.py, stages/grammar.py host_drafts); requests without one decode plainly."""
+class GrammarDrafter(NoDrafter):
+    """No model: a request's drafts are what its grammar implies (the tokens it forces, the
+    usual spelling of the strings it forces), added at plan time (engine/planner.py,
+    stages/grammar.py host_drafts); requests without a grammar decode plainly."""
 
     def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int]] | None:
         return [[] for _ in seqs]

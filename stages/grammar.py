@@ -14,6 +14,7 @@ unpacked here to bool tensors [..., V] for `masked_fill`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import numpy as np
@@ -135,29 +136,44 @@ class DraftWalk:
         self.walked = [0] * len(self.walked)
 
 
-def host_drafts(matcher: Matcher, proposed: list[int], k: int) -> list[int]:
+def host_drafts(
+    matcher: Matcher,
+    proposed: list[int],
+    k: int,
+    spell: Callable[[str], list[int]] | None = None,
+) -> list[int]:
     """Up to k drafts for a request with a grammar, made on the host at plan time (when its
-    matcher stands after every committed token): the proposed tokens (n-gram's) as long as
-    the grammar allows them, then the tokens it forces (the one token its mask allows, which
-    the target's masked law accepts with probability 1: a free draft)."""
-    words = (matcher.vocab_size + 31) // 32
-    bits = torch.zeros(1, words, dtype=torch.int32)
-    drafts: list[int] = []
+    matcher stands after every committed token): the proposed tokens (n-gram's) while the
+    grammar allows them; then, position by position, the token the grammar forces (the one
+    its mask allows, which the target's masked law accepts with probability 1: a free draft),
+    else the usual spelling (`spell`) of the string it forces next (a key of a schema's object,
+    say, which a tokenizer can spell several ways: a draft the target verifies, never forced).
+    """
+    bits = torch.zeros(1, (matcher.vocab_size + 31) // 32, dtype=torch.int32)
+    queue, drafts = list(proposed), list[int]()  # queue: the tokens to try next, in order
     while len(drafts) < k and not matcher.is_terminated():
         matcher.fill_next_token_bitmask(bits, 0)
-        j = len(drafts)
-        if j < len(proposed) and _has(bits[0], proposed[j]):
-            token = proposed[j]
-        else:
-            allowed = unpack(bits, matcher.vocab_size)[0].nonzero()
-            if j < len(proposed) or len(allowed) != 1:
+        if not (queue and _has(bits[0], queue[0])):
+            queue = _grammar_next(matcher, bits, spell)
+            if not (queue and _has(bits[0], queue[0])):
                 break
-            token = int(allowed[0])
+        token = queue.pop(0)
         matcher.accept_token(token)
         drafts.append(token)
     if drafts:
         matcher.rollback(len(drafts))
     return drafts
+
+
+def _grammar_next(
+    matcher: Matcher, bits: torch.Tensor, spell: Callable[[str], list[int]] | None
+) -> list[int]:
+    """What the grammar implies next: its one allowed token, else its forced string spelled."""
+    allowed = unpack(bits, matcher.vocab_size)[0].nonzero()
+    if len(allowed) == 1:
+        return [int(allowed[0])]
+    forced = matcher.find_jump_forward_string() if spell is not None else ""
+    return spell(forced) if forced and spell is not None else []
 
 
 def commit(matcher: Matcher, tokens: Seq[int]) -> None:
