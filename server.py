@@ -500,8 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--speculative",
         choices=SPECULATIVE_METHODS,
-        help="how draft tokens are proposed; none: no speculation (default: draft for the "
-        "demo, whose draft model and heads ship with it; ngram for other models)",
+        help="how draft tokens are proposed; none: no speculation; grammar: no model, what a "
+        "request's grammar implies (default: draft for the demo, whose draft model and heads "
+        "ship with it; ngram for other models)",
     )
     parser.add_argument(
         "--attention",
@@ -546,6 +547,12 @@ def build_parser() -> argparse.ArgumentParser:
         "bytes a forward, CPU only",
     )
     parser.add_argument(
+        "--no-grammar-drafting",
+        action="store_true",
+        help="structured output: drafters draft from their own distribution, not from it "
+        "masked by the request's grammar (the sampler still rejects what the grammar forbids)",
+    )
+    parser.add_argument(
         "--argmax-drafts",
         action="store_true",
         help="chains and fixed trees: draft the drafter's top tokens for sampled requests "
@@ -561,7 +568,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, S
     a = parser.parse_args(argv)
     model = None if a.model == "demo" else a.model  # EngineConfig: None is the demo
     a.speculative = a.speculative or ("draft" if model is None else "ngram")
-    if a.draft is not None and a.speculative in ("none", "ngram"):
+    if a.draft is not None and a.speculative in ("none", "ngram", "grammar"):
         parser.error(f"--draft is not used with --speculative {a.speculative}")
     try:
         spec = SpecConfig(
@@ -569,6 +576,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, S
             a.draft,
             a.num_speculative_tokens,
             not a.argmax_drafts,
+            not a.no_grammar_drafting,
             tree=a.tree,
             tree_nodes=a.tree_nodes,
             tree_depth=a.tree_depth,

@@ -10,7 +10,8 @@ from the head's own q, which the sampler rejects where the grammar forbids them)
 `eagle-dynamic` (a tree, masked in the sampler only). Per method: decode tokens/s (after the
 first token), the acceptance length (tokens a decode step), the grammar's host time a step
 (masks along drafts, commits, host drafts) and the share of tokens the grammar forced. Methods
-run in turn, each on a fresh engine, `--rounds` times: compare within rounds.
+run in turn, each on a fresh engine alone in the process, `--rounds` times (`vs_none`: tokens/s
+over the same round's with the grammar and no speculation; medians of those at the end).
 
 `--libraries` compares xgrammar and llguidance (if installed) on the tasks' grammars instead:
 compile time, and the time of a token's mask along the greedy output.
@@ -23,9 +24,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,11 +76,11 @@ def load_tasks() -> list[Task]:
     return [t for t in tasks if t.grammar is not None]
 
 
-def spec_for(method: str) -> SpecConfig:
+def spec_for(method: str, k: int) -> SpecConfig:
     base, _, variant = method.partition("-")
     if base == "none":
         return SpecConfig()
-    fields: dict[str, Any] = {"method": base}
+    fields: dict[str, Any] = {"method": base, "num_speculative_tokens": k}
     if variant == "unaware":
         fields["grammar_drafting"] = False
     if variant == "forced":
@@ -148,10 +151,18 @@ class Row:
     valid: int = 0
     requests: int = 0
 
+    @property
+    def speed(self) -> float:
+        return self.tokens / self.decode_s
+
+    @property
+    def body_name(self) -> str:
+        return self.method + ("" if self.grammar else " (no grammar)")
+
     def body(self) -> dict[str, Any]:
         return {
-            "method": self.method + ("" if self.grammar else " (no grammar)"),
-            "tok_s": round(self.tokens / self.decode_s, 2),
+            "method": self.body_name,
+            "tok_s": round(self.speed, 2),
             "acceptance_length": round(self.tokens / max(self.steps, 1), 3),
             "grammar_ms_per_step": round(1e3 * self.grammar_s / max(self.steps, 1), 3),
             "forced_share": round(self.forced / max(self.tokens, 1), 3),
@@ -159,26 +170,41 @@ class Row:
         }
 
 
-async def run_method(
-    model: str | None, method: str, grammar: bool, tasks: list[Task], max_tokens: int
+def measure(model: str | None, method: str, grammar: bool, args: argparse.Namespace) -> Row:
+    """The tasks in turn on a fresh engine in a process of its own: after a speculative
+    engine has run in a process, plain decoding there runs slower (bench/results/NOTES.md)."""
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        return pool.submit(_measure_here, model, method, grammar, args).result()
+
+
+def _measure_here(model: str | None, method: str, grammar: bool, args: argparse.Namespace) -> Row:
+    return asyncio.run(_measure(model, method, grammar, load_tasks(), args))
+
+
+async def _measure(
+    model: str | None, method: str, grammar: bool, tasks: list[Task], args: argparse.Namespace
 ) -> Row:
-    """The tasks in turn on a fresh engine; decode time counts from each first token."""
-    kv = KVConfig(page_size=16, num_pages=max(64, 4 * (max_tokens // 16 + 40)))
-    engine = AsyncEngine(EngineConfig(model, spec_for(method), kv, max_running=1))
-    if method == "grammar-forced":
-        engine.planner.spell = None  # forced tokens only
-    await engine.start()
+    engine = await start(model, method, args)
     row = Row(method, grammar)
     try:
-        for task in tasks[:1]:  # warm-up: the cost model's probes, the grammar compiler
-            await one(engine, task, grammar, max_tokens, Row(method, grammar))
+        await one(engine, tasks[0], grammar, args.max_tokens, Row(method, grammar))  # warm-up
         with GrammarClock() as clock:
             for task in tasks:
-                await one(engine, task, grammar, max_tokens, row)
+                await one(engine, task, grammar, args.max_tokens, row)
         row.steps, row.grammar_s = clock.steps, clock.seconds
     finally:
         await engine.stop()
     return row
+
+
+async def start(model: str | None, method: str, args: argparse.Namespace) -> AsyncEngine:
+    kv = KVConfig(page_size=16, num_pages=max(64, 4 * (args.max_tokens // 16 + 40)))
+    engine = AsyncEngine(EngineConfig(model, spec_for(method, args.k), kv, max_running=1))
+    if method == "grammar-forced":
+        engine.planner.spell = None  # forced tokens only
+    await engine.start()
+    return engine
 
 
 async def one(engine: AsyncEngine, task: Task, grammar: bool, max_tokens: int, row: Row) -> None:
@@ -311,8 +337,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.grammar", description=__doc__)
     parser.add_argument("--model", default=None, help="smollm2, a path, or the demo (default)")
     parser.add_argument("--methods", nargs="+", default=None, choices=METHODS)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="passes over the tasks")
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--k", type=int, default=4, help="the most draft tokens a step")
     parser.add_argument("--libraries", action="store_true", help="compare the grammar libraries")
     parser.add_argument("--out", type=Path, default=None, help="write the rows here (JSON)")
     return parser.parse_args(argv)
@@ -332,13 +359,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     methods = args.methods or [m for m in METHODS if args.model is None or m != "draft"]
     cells = [("none", False)] + [(m, True) for m in methods]
-    results: list[dict[str, Any]] = []
-    for round_ in range(args.rounds):
-        for method, grammar in cells:
-            row = asyncio.run(run_method(args.model, method, grammar, tasks, args.max_tokens))
-            body = row.body() | {"round": round_}
+    results = []
+    for round_ in range(args.rounds):  # the methods in turn: the machine drifts over minutes
+        rows = [measure(args.model, m, g, args) for m, g in cells]
+        baseline = next(r for r in rows if r.method == "none" and r.grammar)
+        for row in rows:
+            body = row.body() | {"round": round_, "vs_none": round(row.speed / baseline.speed, 3)}
             results.append(body)
             print(json.dumps(body), flush=True)
+    for method, grammar in cells:
+        ratios = [r["vs_none"] for r in results if r["method"] == Row(method, grammar).body_name]
+        print(f"{Row(method, grammar).body_name}: median vs none {statistics.median(ratios):.3f}")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
     return 0

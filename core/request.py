@@ -105,8 +105,9 @@ class Delta:
 class Request:
     """Host-side state of one request. Its output (`output_ids`, `finish_reason`) is written
     by its OutputStream alone (engine/output.py), its progress (`inflight`, `acceptance`) by
-    the scheduler alone (engine/scheduler.py), its grammar's `matcher` by the compute stream
-    alone (stages/grammar.py); the rest never changes."""
+    the scheduler alone (engine/scheduler.py), its grammar's `matcher` by the step's device
+    stages and, for host drafts, its plan (stages/grammar.py), one at a time; the rest never
+    changes."""
 
     request_id: str
     prompt_ids: list[int]

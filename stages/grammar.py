@@ -1,9 +1,11 @@
 """Structured output: the grammar's token masks along a step's drafts (host work).
 
 A request with a grammar carries a matcher (xgrammar's `GrammarMatcher`, made by
-engine/grammar.py) that stands after the request's committed tokens. The compute stream is its
-one writer: drafting and sampling walk it along draft tokens and roll it back, and the sample
-stage commits the emitted tokens (`commit`). The masks it gives are the law's support: the
+engine/grammar.py) that stands after the request's committed tokens. The sample stage alone
+moves it on (`commit`, the emitted tokens); drafting and sampling walk it along draft tokens
+and roll it back on the compute stream, and so do host drafts at plan time (`host_drafts`),
+which the engine plans only once the step before has been sampled (a drafter with host
+drafts needs every token), while no device stage reads the matcher. The masks it gives are the law's support: the
 target's p and the drafter's q at a position are both restricted to the tokens the grammar
 allows after the tokens before it (DESIGN.md, the acceptance rules), so a draft the grammar
 forbids has p = 0 and is rejected, and the matcher never takes a token past a rejection.

@@ -18,7 +18,7 @@ from core.params import Grammar, InvalidRequest, SamplingParams, SamplingTensors
 from engine.grammar import Grammars
 from engine.request import FinishReason
 from models.attention import CausalAttention
-from models.eagle import save_eagle_head
+from models.eagle import save_eagle3_head, save_eagle_head
 from models.loader import load_model
 from models.mtp import save_mtp_head
 from models.tokenizer import Tokenizer
@@ -28,7 +28,7 @@ from tests.engine_util import make_config, ragged_prompts, running, token_ids
 from tests.fakes import served
 from tests.stats import assert_law, chi_square_p_value
 from tests.test_server import openai_client, real_engine
-from tests.tiny import random_eagle_head, random_mtp_head, write_model
+from tests.tiny import random_eagle3_head, random_eagle_head, random_mtp_head, write_model
 
 S = {"type": "string", "maxLength": 6}
 SCHEMAS = [
@@ -332,25 +332,35 @@ def grammar_laws(target_dir, grammars: Grammars, grammar: Grammar) -> tuple[dict
 @pytest.fixture(scope="module")
 def law_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("grammar_law")
-    target = write_model(root / "t", layers=1, hidden=16, seed=3, scale=1.5, model_vocab=8)
+    target = write_model(root / "t", layers=2, hidden=16, seed=3, scale=1.5, model_vocab=8)
     draft = write_model(root / "d", layers=1, hidden=16, seed=4, scale=1.5, model_vocab=8)
-    return target, draft
+    # an EAGLE-3 head over eos, "!" and three tokens no choice holds: after "$" the grammar
+    # allows none of them, and its drafts fall back to its own q, which the sampler rejects
+    head = random_eagle3_head(load_model(target), (1, 2), draft_vocab=5, seed=6)
+    head.set_draft_vocab(torch.tensor([0, 1, 5, 6, 7]))
+    save_eagle3_head(head, root / "eagle3")
+    return target, draft, root / "eagle3"
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("method, seeded", [("none", False), ("draft", False), ("draft", True)])
+@pytest.mark.parametrize(
+    "method, seeded",
+    [("none", False), ("draft", False), ("draft", True), ("eagle", False)],
+)
 def test_sampled_output_follows_the_masked_law(law_models, method, seeded):
-    """Plain sampling, speculation by the rejection rule, and seeded requests' coupling."""
-    target, draft = law_models
+    """Plain sampling, speculation by the rejection rule (a draft model; an EAGLE-3 head of a
+    reduced vocabulary), and seeded requests' coupling."""
+    target, draft, eagle3 = law_models
     grammar = Grammar("choice", json.dumps(CHOICES))
     grammars = Grammars(Tokenizer(target), 8)
     asyncio.run(grammars.compile(grammar))
     expected, conditioned = grammar_laws(target, grammars, grammar)
     assert abs(sum(expected.values()) - 1) < 1e-9
     assert len(expected) >= len(CHOICES)  # every choice reachable
+    drafter = {"none": None, "draft": draft, "eagle": eagle3}[method]
     config = make_config(
-        target, method, draft if method == "draft" else None, k=2, pages=4 * N, page_size=4,
-        max_running=64, max_waiting=N, max_model_len=16,
+        target, method, drafter, k=2, pages=4 * N, page_size=4, max_running=64, max_waiting=N,
+        max_model_len=16,
     )  # fmt: skip
 
     async def draws() -> dict[tuple[int, ...], int]:
@@ -359,7 +369,7 @@ def test_sampled_output_follows_the_masked_law(law_models, method, seeded):
             seeds = [i if seeded else None for i in range(N)]
             runs = [engine.generate(LAW_PROMPT, dataclasses.replace(params, seed=s)) for s in seeds]
             outs = await asyncio.gather(*runs)
-        if method == "draft":
+        if method != "none":
             assert sum(o[-1].usage.draft_tokens for o in outs) > N
         counts: dict[tuple[int, ...], int] = {}
         for out in outs:
