@@ -10,8 +10,8 @@ from the head's own q, which the sampler rejects where the grammar forbids them)
 `eagle-dynamic` (a tree, masked in the sampler only). Per method: decode tokens/s (after the
 first token), the acceptance length (tokens a decode step), the grammar's host time a step
 (masks along drafts, commits, host drafts) and the share of tokens the grammar forced. Methods
-run in turn, each on a fresh engine alone in the process, `--rounds` times (`vs_none`: tokens/s
-over the same round's with the grammar and no speculation; medians of those at the end).
+each run their engine in a process of their own and take the tasks in turn, `--rounds` times
+over (`vs_none`: tokens/s over that with the grammar and no speculation).
 
 `--libraries` compares xgrammar and llguidance (if installed) on the tasks' grammars instead:
 compile time, and the time of a token's mask along the greedy output.
@@ -151,6 +151,10 @@ class Row:
     valid: int = 0
     requests: int = 0
 
+    def add(self, other: Row) -> None:
+        for name in ("tokens", "decode_s", "steps", "grammar_s", "forced", "valid", "requests"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
     @property
     def speed(self) -> float:
         return self.tokens / self.decode_s
@@ -170,32 +174,49 @@ class Row:
         }
 
 
-def measure(model: str | None, method: str, grammar: bool, args: argparse.Namespace) -> Row:
-    """The tasks in turn on a fresh engine in a process of its own: after a speculative
-    engine has run in a process, plain decoding there runs slower (bench/results/NOTES.md)."""
-    spawn = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=spawn) as pool:
-        return pool.submit(_measure_here, model, method, grammar, args).result()
+class Cell:
+    """A method's engine in a process of its own, running one task at a time. Processes, not
+    engines side by side: after a speculative engine has run in a process, plain decoding
+    there runs slower (bench/results/NOTES.md)."""
+
+    def __init__(self, model: str | None, method: str, grammar: bool, args: argparse.Namespace):
+        self.row = Row(method, grammar)
+        spawn = multiprocessing.get_context("spawn")
+        self.pool = ProcessPoolExecutor(
+            1, mp_context=spawn, initializer=_start_here, initargs=(model, method, args)
+        )
+
+    def run(self, task: int) -> None:
+        self.row.add(self.pool.submit(_run_here, task, self.row.grammar).result())
+
+    def close(self) -> None:
+        self.pool.submit(_stop_here).result()
+        self.pool.shutdown()
 
 
-def _measure_here(model: str | None, method: str, grammar: bool, args: argparse.Namespace) -> Row:
-    return asyncio.run(_measure(model, method, grammar, load_tasks(), args))
+# the engine of a Cell's process, and its event loop
+_here: dict[str, Any] = {}
 
 
-async def _measure(
-    model: str | None, method: str, grammar: bool, tasks: list[Task], args: argparse.Namespace
-) -> Row:
-    engine = await start(model, method, args)
-    row = Row(method, grammar)
-    try:
-        await one(engine, tasks[0], grammar, args.max_tokens, Row(method, grammar))  # warm-up
-        with GrammarClock() as clock:
-            for task in tasks:
-                await one(engine, task, grammar, args.max_tokens, row)
-        row.steps, row.grammar_s = clock.steps, clock.seconds
-    finally:
-        await engine.stop()
+def _start_here(model: str | None, method: str, args: argparse.Namespace) -> None:
+    loop = _here["loop"] = asyncio.new_event_loop()
+    engine = _here["engine"] = loop.run_until_complete(start(model, method, args))
+    _here["tasks"], _here["max_tokens"] = load_tasks(), args.max_tokens
+    warm = Row(method, True)  # the cost model's probes, the grammar compiler
+    loop.run_until_complete(one(engine, _here["tasks"][0], True, args.max_tokens, warm))
+
+
+def _run_here(task: int, grammar: bool) -> Row:
+    row = Row("", grammar)
+    with GrammarClock() as clock:
+        work = one(_here["engine"], _here["tasks"][task], grammar, _here["max_tokens"], row)
+        _here["loop"].run_until_complete(work)
+    row.steps, row.grammar_s = clock.steps, clock.seconds
     return row
+
+
+def _stop_here() -> None:
+    _here["loop"].run_until_complete(_here["engine"].stop())
 
 
 async def start(model: str | None, method: str, args: argparse.Namespace) -> AsyncEngine:
@@ -358,18 +379,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{library}: compile {compile_ms:.2f} ms, mask {mask_us:.1f} us a token")
         return 0
     methods = args.methods or [m for m in METHODS if args.model is None or m != "draft"]
-    cells = [("none", False)] + [(m, True) for m in methods]
+    cells = [Cell(args.model, m, True, args) for m in methods]
+    cells.insert(0, Cell(args.model, "none", False, args))
+    try:  # task by task, each method in turn: the machine's speed drifts over seconds
+        for _ in range(args.rounds):
+            for task in range(len(tasks)):
+                for cell in cells:
+                    cell.run(task)
+    finally:
+        for cell in cells:
+            cell.close()
+    baseline = next(c.row for c in cells if c.row.method == "none" and c.row.grammar)
     results = []
-    for round_ in range(args.rounds):  # the methods in turn: the machine drifts over minutes
-        rows = [measure(args.model, m, g, args) for m, g in cells]
-        baseline = next(r for r in rows if r.method == "none" and r.grammar)
-        for row in rows:
-            body = row.body() | {"round": round_, "vs_none": round(row.speed / baseline.speed, 3)}
-            results.append(body)
-            print(json.dumps(body), flush=True)
-    for method, grammar in cells:
-        ratios = [r["vs_none"] for r in results if r["method"] == Row(method, grammar).body_name]
-        print(f"{Row(method, grammar).body_name}: median vs none {statistics.median(ratios):.3f}")
+    for cell in cells:
+        body = cell.row.body() | {"vs_none": round(cell.row.speed / baseline.speed, 3)}
+        results.append(body)
+        print(json.dumps(body), flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
     return 0

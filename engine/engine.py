@@ -172,9 +172,9 @@ class AsyncEngine:
         if request_id in self.outputs:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._derived_seed(request_id)
-        request = Request(request_id, ids, params, seed, time.monotonic())
-        if params.grammar is not None:  # compiled already (compile_grammar), or refused here
-            request.matcher = self.grammars.matcher(params.grammar)
+        # a grammar was compiled already (compile_grammar), or is refused here
+        matcher = None if params.grammar is None else self.grammars.matcher(params.grammar)
+        request = Request(request_id, ids, params, seed, time.monotonic(), matcher=matcher)
         if not self.outputs:  # the watchdog counts from the first pending request
             self.supervisor.arrived()
         stream = self.publisher.add(request)

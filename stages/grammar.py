@@ -5,10 +5,11 @@ engine/grammar.py) that stands after the request's committed tokens. The sample 
 moves it on (`commit`, the emitted tokens); drafting and sampling walk it along draft tokens
 and roll it back on the compute stream, and so do host drafts at plan time (`host_drafts`),
 which the engine plans only once the step before has been sampled (a drafter with host
-drafts needs every token), while no device stage reads the matcher. The masks it gives are the law's support: the
-target's p and the drafter's q at a position are both restricted to the tokens the grammar
-allows after the tokens before it (DESIGN.md, the acceptance rules), so a draft the grammar
-forbids has p = 0 and is rejected, and the matcher never takes a token past a rejection.
+drafts needs every token), while no device stage reads the matcher. The masks it gives are
+the law's support: the target's p and the drafter's q at a position are both restricted to
+the tokens the grammar allows after the tokens before it (DESIGN.md, the acceptance rules),
+so a draft the grammar forbids has p = 0 and is rejected, and the matcher never takes a token
+past a rejection.
 
 Masks are xgrammar's bitmasks (int32 words, bit v of word v // 32 set where token v is allowed),
 unpacked here to bool tensors [..., V] for `masked_fill`.

@@ -1,14 +1,13 @@
 """Structured output: the grammar's masks along drafts, outputs that validate against their
 schemas with every drafter, greedy equality with and without speculation under a grammar, and
 the sampled law of a small grammar (chi-square, against the law of p masked token by token).
-And the openai client's response_format, tools and extra fields, unmodified."""
+(The openai client's response_format, tools and extra fields: tests/test_server.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
-import re
 
 import jsonschema
 import pytest
@@ -25,9 +24,7 @@ from models.tokenizer import Tokenizer
 from stages.grammar import GrammarWalk, host_drafts, unpack
 from stages.sampling import process_logits
 from tests.engine_util import make_config, ragged_prompts, running, token_ids
-from tests.fakes import served
 from tests.stats import assert_law, chi_square_p_value
-from tests.test_server import openai_client, real_engine
 from tests.tiny import random_eagle3_head, random_eagle_head, random_mtp_head, write_model
 
 S = {"type": "string", "maxLength": 6}
@@ -380,75 +377,3 @@ def test_sampled_output_follows_the_masked_law(law_models, method, seeded):
     observed = asyncio.run(draws())
     assert_law(observed, expected, N)
     assert chi_square_p_value(observed, conditioned, N) < 1e-3  # whole outputs' law: refuted
-
-
-# ---------------------------------------------------------------- the openai client, unmodified
-
-PERSON = {
-    "type": "object",
-    "properties": {"name": S, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
-TOOLS = [
-    {"type": "function", "function": {"name": "lookup", "parameters": PERSON}},
-    {"type": "function", "function": {"name": "ping", "parameters": {"type": "object",
-     "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}},
-]  # fmt: skip
-CHAT = dict(messages=[{"role": "user", "content": "a person"}], max_tokens=64, temperature=0)
-
-
-async def test_openai_response_format_and_tools_work_unmodified(tiny_target):
-    async with served(real_engine(tiny_target)) as url:
-        client = openai_client(url)
-        model = (await client.models.list()).data[0].id
-        schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
-        full = await client.chat.completions.create(model=model, response_format=schema, **CHAT)
-        jsonschema.validate(json.loads(full.choices[0].message.content), PERSON)
-        stream = await client.chat.completions.create(
-            model=model, response_format=schema, stream=True, **CHAT
-        )
-        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
-        assert text == full.choices[0].message.content  # greedy: the same either way
-        obj = await client.chat.completions.create(
-            model=model, response_format={"type": "json_object"}, **CHAT
-        )
-        if obj.choices[0].finish_reason == "stop":
-            assert isinstance(json.loads(obj.choices[0].message.content), dict)
-
-        named = {"type": "function", "function": {"name": "lookup"}}
-        call = await client.chat.completions.create(
-            model=model, tools=TOOLS, tool_choice=named, **CHAT
-        )
-        assert call.choices[0].finish_reason == "tool_calls"
-        (tool_call,) = call.choices[0].message.tool_calls
-        assert tool_call.function.name == "lookup" and tool_call.id.startswith("call_")
-        jsonschema.validate(json.loads(tool_call.function.arguments), PERSON)
-        stream = await client.chat.completions.create(
-            model=model, tools=TOOLS, tool_choice=named, stream=True, **CHAT
-        )
-        chunks = [c async for c in stream if c.choices]
-        deltas = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
-        assert deltas[0].function.name == "lookup" and deltas[0].id
-        assert "".join(d.function.arguments or "" for d in deltas) == tool_call.function.arguments
-        assert chunks[-1].choices[0].finish_reason == "tool_calls"
-
-        required = await client.chat.completions.create(
-            model=model, tools=TOOLS, tool_choice="required", **CHAT
-        )
-        (tool_call,) = required.choices[0].message.tool_calls
-        parameters = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-        jsonschema.validate(
-            json.loads(tool_call.function.arguments), parameters[tool_call.function.name]
-        )
-
-        completion = await client.completions.create(
-            model=model, prompt="the answer:", max_tokens=8, temperature=0,
-            extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}},
-        )  # fmt: skip
-        assert completion.choices[0].text in ("alpha", "beta")
-        regex = await client.completions.create(
-            model=model, prompt="a number:", max_tokens=8, temperature=0,
-            extra_body={"guided_regex": "[0-9]{2,4}"},
-        )  # fmt: skip
-        assert re.fullmatch("[0-9]{2,4}", regex.choices[0].text)

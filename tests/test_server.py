@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 from openai import AsyncOpenAI
 
@@ -495,3 +496,83 @@ def test_main_returns_0_on_sigterm(monkeypatch: pytest.MonkeyPatch) -> None:
     threading.Thread(target=stop_once_serving, daemon=True).start()
     assert server.main(["--speculative", "none", "--port", str(port)]) == 0
     assert engines[0].stopped
+
+
+# ---------------------------------------------------------------------------------------------
+# Structured output through the openai client, unmodified (the engine's side: test_grammar.py)
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "lookup", "parameters": PERSON}},
+    {"type": "function", "function": {"name": "ping", "parameters": {"type": "object",
+     "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}},
+]  # fmt: skip
+GRAMMAR_CHAT = dict(
+    messages=[{"role": "user", "content": "a person"}], max_tokens=64, temperature=0
+)
+
+
+async def test_openai_response_format_and_tools_work_unmodified(tiny_target: Path) -> None:
+    async with served(real_engine(tiny_target)) as url:
+        client = openai_client(url)
+        model = (await client.models.list()).data[0].id
+        schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+        full = await client.chat.completions.create(
+            model=model, response_format=schema, **GRAMMAR_CHAT
+        )
+        jsonschema.validate(json.loads(full.choices[0].message.content), PERSON)
+        stream = await client.chat.completions.create(
+            model=model, response_format=schema, stream=True, **GRAMMAR_CHAT
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        assert text == full.choices[0].message.content  # greedy: the same either way
+        obj = await client.chat.completions.create(
+            model=model, response_format={"type": "json_object"}, **GRAMMAR_CHAT
+        )
+        if obj.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+        named = {"type": "function", "function": {"name": "lookup"}}
+        call = await client.chat.completions.create(
+            model=model, tools=TOOLS, tool_choice=named, **GRAMMAR_CHAT
+        )
+        assert call.choices[0].finish_reason == "tool_calls"
+        (tool_call,) = call.choices[0].message.tool_calls
+        assert tool_call.function.name == "lookup" and tool_call.id.startswith("call_")
+        jsonschema.validate(json.loads(tool_call.function.arguments), PERSON)
+        stream = await client.chat.completions.create(
+            model=model, tools=TOOLS, tool_choice=named, stream=True, **GRAMMAR_CHAT
+        )
+        chunks = [c async for c in stream if c.choices]
+        deltas = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+        assert deltas[0].function.name == "lookup" and deltas[0].id
+        assert "".join(d.function.arguments or "" for d in deltas) == tool_call.function.arguments
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+        required = await client.chat.completions.create(
+            model=model, tools=TOOLS, tool_choice="required", **GRAMMAR_CHAT
+        )
+        (tool_call,) = required.choices[0].message.tool_calls
+        parameters = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        jsonschema.validate(
+            json.loads(tool_call.function.arguments), parameters[tool_call.function.name]
+        )
+
+        completion = await client.completions.create(
+            model=model, prompt="the answer:", max_tokens=8, temperature=0,
+            extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}},
+        )  # fmt: skip
+        assert completion.choices[0].text in ("alpha", "beta")
+        regex = await client.completions.create(
+            model=model, prompt="a number:", max_tokens=8, temperature=0,
+            extra_body={"guided_regex": "[0-9]{2,4}"},
+        )  # fmt: skip
+        assert re.fullmatch("[0-9]{2,4}", regex.choices[0].text)
