@@ -379,6 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{library}: compile {compile_ms:.2f} ms, mask {mask_us:.1f} us a token")
         return 0
     methods = args.methods or [m for m in METHODS if args.model is None or m != "draft"]
+    methods = ["none"] + [m for m in methods if m != "none"]  # the baseline, always
     cells = [Cell(args.model, m, True, args) for m in methods]
     cells.insert(0, Cell(args.model, "none", False, args))
     try:  # task by task, each method in turn: the machine's speed drifts over seconds
