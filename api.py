@@ -534,6 +534,7 @@ def usage_body(u: Usage) -> JSON:
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
         "speculative": {
             "draft_tokens": u.draft_tokens,
             "accepted_tokens": u.accepted_tokens,

@@ -547,6 +547,12 @@ def build_parser() -> argparse.ArgumentParser:
         "bytes a forward, CPU only",
     )
     parser.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="re-prefill every prompt whole instead of sharing the KV pages of a prefix seen "
+        "before (a second turn of a chat, a common system prompt)",
+    )
+    parser.add_argument(
         "--no-grammar-drafting",
         action="store_true",
         help="structured output: drafters draft from their own distribution, not from it "
@@ -584,7 +590,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, S
             adaptive_k=not a.fixed_k,
             calibration=a.calibration,
         )
-        kv = KVConfig(page_size=a.page_size, num_pages=a.num_pages)
+        kv = KVConfig(a.page_size, a.num_pages, prefix_cache=not a.no_prefix_cache)
         config = EngineConfig(
             model=model,
             spec=spec,

@@ -86,6 +86,7 @@ class Usage:
     # tokens the request's grammar forced (the only one it allowed): completion tokens, and
     # counted neither as drafted nor as accepted, though drafted for free where a step drafted
     forced_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV a prefix-cache hit brought
 
 
 @dataclass

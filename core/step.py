@@ -46,6 +46,7 @@ class Sequence:
     num_pending: int = 0  # tokens that in-flight steps will add (plain decoding's look-ahead)
     last_step: int = -1  # the last step that wrote this sequence's KV
     prefill_ids: list[int] = field(default_factory=list)  # prompt (+ output after preemption)
+    num_cached: int = 0  # leading tokens of `prefill_ids` found in the prefix cache
 
     @property
     def prefilling(self) -> bool:
@@ -126,6 +127,10 @@ class DevicePlan:
     prompt_lens: torch.Tensor  # [B] output tokens start here (penalties count them)
     host_drafts: torch.Tensor  # [B, k] drafts proposed on the host (n-gram), -1 where none
     unknown: torch.Tensor  # [B] 1: planned before the sequence's previous step was sampled
+    # a prefill's prefix-cache hits, whose KV is cached but whose tokens the history lacks
+    cached_rows: torch.Tensor  # [C]
+    cached_positions: torch.Tensor  # [C]
+    cached_ids: torch.Tensor  # [C]
     sampling: SamplingTensors  # the batch's sampling parameters, on the device
 
 

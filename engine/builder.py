@@ -25,6 +25,7 @@ from engine.parallel import Group
 from engine.scheduler import Scheduler
 from kv.cache import KVCache
 from kv.pages import PageAllocator
+from kv.prefix import PrefixIndex
 from models.attention import AttentionBackend, InvariantAttention, TorchPagedAttention
 from models.eagle import load_eagle_head
 from models.flashinfer_backend import FlashInferBackend
@@ -150,7 +151,8 @@ class Builder:
         lookahead = k + 1 + spec.one_token_mode  # one-token mode: a step the host has not seen
         num_pages = config.kv.num_pages or self._pages_for(model, spec.keeps_cache)
         max_model_len = self._max_model_len(model, num_pages, lookahead)
-        allocator = PageAllocator(num_pages)
+        caching = config.kv.prefix_cache and spec.caches_prefixes
+        allocator = PageAllocator(num_pages, PrefixIndex(config.kv.page_size) if caching else None)
         cache = self.cache_for(model, num_pages)
         history = TokenHistory(config.max_running, max_model_len + 2 * k + 4, self.device)
         drafter = self.drafter(spec, model, cache, attention, num_pages)

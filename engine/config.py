@@ -32,6 +32,10 @@ class KVConfig:
     num_pages: int = 0  # 0: as many as `memory_fraction` of free memory holds
     # KV budget (the target's cache and a drafter's, which gets half) when num_pages is 0
     memory_bytes: int = 1 << 30
+    # full pages found again by their tokens and every token before (kv/prefix.py), shared
+    # between requests; with a head drafter (EAGLE, MTP) not yet: their features at a cached
+    # prefix's end are not kept
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -117,6 +121,11 @@ class SpecConfig:
     def keeps_cache(self) -> bool:
         """Whether the drafter keeps a KV cache of its own (a draft model or a head)."""
         return self.method in ("draft", "eagle", "mtp")
+
+    @property
+    def caches_prefixes(self) -> bool:
+        """Whether a prefix cache hit keeps what the drafter needs (not a head's features)."""
+        return self.method not in ("eagle", "mtp")
 
     @property
     def one_token_mode(self) -> bool:

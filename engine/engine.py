@@ -302,6 +302,8 @@ class AsyncEngine:
         allocator = self.allocator
         self.metrics.set_requests(len(self.scheduler.running), len(self.scheduler.waiting))
         self.metrics.set_kv_pages(allocator.num_pages - allocator.num_free, allocator.num_pages)
+        if (prefixes := allocator.prefixes) is not None:
+            self.metrics.set_prefix_cache(len(prefixes.key_of), prefixes.hit_rate)
 
 
 async def _settled(event: Event) -> None:

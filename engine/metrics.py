@@ -60,6 +60,12 @@ class EngineMetrics:
         self.kv_pages_used = r.gauge("tandem_kv_pages_used", "KV pages held by requests.")
         self.kv_pages_free = r.gauge("tandem_kv_pages_free", "KV pages free.")
         self.kv_pages_total = r.gauge("tandem_kv_pages_total", "KV pages in the pool.")
+        self.prefix_cache_pages = r.gauge(
+            "tandem_prefix_cache_pages", "KV pages holding a cached prefix (in use or idle)."
+        )
+        self.prefix_cache_hit_rate = r.gauge(
+            "tandem_prefix_cache_hit_rate", "Share of admitted prompt tokens found cached."
+        )
         self.memory_bytes = r.gauge(
             "tandem_memory_bytes", "Bytes held: the weights, the KV cache (target and drafter).",
             ["kind"],
@@ -118,6 +124,10 @@ class EngineMetrics:
         self.kv_pages_used.set(used)
         self.kv_pages_free.set(total - used)
         self.kv_pages_total.set(total)
+
+    def set_prefix_cache(self, pages: int, hit_rate: float) -> None:
+        self.prefix_cache_pages.set(pages)
+        self.prefix_cache_hit_rate.set(hit_rate)
 
     def add_tokens(self, prompt: int = 0, generated: int = 0) -> None:
         self.prompt_tokens.inc(prompt)

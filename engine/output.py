@@ -102,6 +102,10 @@ class OutputStream:
     def count_forced(self, forced: int) -> None:
         self.usage.forced_tokens += forced
 
+    def count_cached(self, cached: int) -> None:
+        """The prompt tokens a prefix-cache hit brought at its first prefill."""
+        self.usage.cached_tokens = cached
+
     def finish(self, reason: FinishReason, error: str | None = None) -> Delta:
         """The last delta of a request ended from outside (abort, error)."""
         self.request.finish_reason = reason

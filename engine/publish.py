@@ -90,6 +90,8 @@ class Publisher:
                 self.scheduler.observe(seq.request, plan.num_drafts[i], accepted)
             elif self.cost is not None and decode:  # the cost model chose k = 0
                 self.scheduler.observe(seq.request, None)
+            if not decode and not seq.request.output_ids:  # its prompt's first prefill
+                output.count_cached(seq.num_cached)
             tokens = outcome.tokens[i][:emitted]
             delta = output.add(tokens, _logprobs(outcome, i, emitted, seq))
             self._observe_latency(output, len(delta.token_ids), now)

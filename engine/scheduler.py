@@ -14,6 +14,7 @@ from collections import deque
 from core.request import Request
 from core.step import Batch, Sequence, StepKind
 from kv.pages import OutOfPages, PageAllocator
+from kv.prefix import PrefixIndex
 from kv.table import PageTable
 
 
@@ -33,6 +34,7 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.lookahead = lookahead  # slots a decode step writes past the committed tokens
         self.max_model_len = max_model_len
+        self.prefixes: PrefixIndex | None = allocator.prefixes  # None: no prefix caching
         self.waiting: deque[Request] = deque()
         self.running: list[Sequence] = []
         self.free_rows = list(range(max_running - 1, -1, -1))
@@ -75,6 +77,8 @@ class Scheduler:
         `emitted` committed ones (the counterpart of `planned`)."""
         seq.request.inflight -= 1
         seq.num_pending -= int(emits)
+        if self.prefixes is not None and emitted and seq.num_tokens == len(seq.prefill_ids):
+            self.prefixes.insert(seq.prefill_ids, seq.table.pages)  # its prefill has run
         seq.num_tokens += emitted
 
     def observe(self, request: Request, drafted: int | None, accepted: int = 0) -> None:
@@ -119,17 +123,29 @@ class Scheduler:
         while self.waiting and budget > 0 and self.free_rows and not self.waiting[0].inflight:
             seq = self._admit(self.waiting[0])
             if not self._grow(seq, budget, step, seqs, chunks):
+                seq.table.truncate(self.allocator, 0)  # a prefix hit's pages
                 self.free_rows.append(seq.row)
                 break
+            if self.prefixes is not None:
+                self.prefixes.record(len(seq.prefill_ids) - 1, seq.num_cached)
             self.waiting.popleft()
             self.running.append(seq)
             budget -= chunks[-1]
         return Batch(StepKind.PREFILL, seqs, chunks) if seqs else None
 
     def _admit(self, request: Request) -> Sequence:
-        seq = Sequence(request, PageTable(self.page_size), self.free_rows.pop())
-        seq.prefill_ids = request.all_ids
-        seq.num_tokens = len(seq.prefill_ids)
+        """The request's sequence, holding the pages of its longest cached prefix (short of
+        its last token, whose logits the prefill must compute)."""
+        ids = request.all_ids
+        table = PageTable(self.page_size)
+        if self.prefixes is not None:
+            table.pages = self.prefixes.match(ids, len(ids) - 1)
+            self.allocator.share(table.pages)
+        cached = table.capacity
+        seq = Sequence(request, table, self.free_rows.pop(), num_cached=cached)
+        seq.prefill_ids = ids
+        seq.num_tokens = len(ids)
+        seq.num_prefilled = cached
         return seq
 
     def _grow(self, seq: Sequence, budget: int, step: int, seqs: list, chunks: list) -> bool:
@@ -173,5 +189,8 @@ class Scheduler:
         if seq not in self.running:
             return
         self.running.remove(seq)
+        if self.prefixes is not None and seq.num_tokens > len(seq.prefill_ids):
+            # its prompt has run; the KV of every committed token but the last is written
+            self.prefixes.insert(seq.request.all_ids[: seq.num_tokens - 1], seq.table.pages)
         seq.table.truncate(self.allocator, 0, after_step=max(seq.last_step, step - 1))
         self.free_rows.append(seq.row)

@@ -37,6 +37,9 @@ FIELDS = (
     "prompt_lens",
     "host_drafts",
     "unknown",
+    "cached_rows",
+    "cached_positions",
+    "cached_ids",
 )
 
 
@@ -83,6 +86,9 @@ def make_plan(
         "prompt_lens": [len(s.request.prompt_ids) for s in batch.seqs],
         "host_drafts": [x for d in drafts for x in _pad(d, k, -1)],
         "unknown": unknown,
+        "cached_rows": c.cached_rows,
+        "cached_positions": c.cached_positions,
+        "cached_ids": c.cached_ids,
     }
     wanted = [n for s in batch.seqs if (n := s.request.params.logprobs) is not None]
     top_logprobs = max(wanted) if wanted else None
@@ -113,6 +119,10 @@ class _Columns:
     q_lens: list[int] = field(default_factory=list)  # [B]
     kv_lens: list[int] = field(default_factory=list)  # [B] keys after this step's writes
     tails: list[list[int]] = field(default_factory=list)  # [B][k + 2]
+    # a prefix-cache hit's tokens, for the token history: [C] each
+    cached_rows: list[int] = field(default_factory=list)
+    cached_positions: list[int] = field(default_factory=list)
+    cached_ids: list[int] = field(default_factory=list)
 
 
 def _prefill_columns(batch: Batch) -> tuple[_Columns, list[int], list[bool], list[int]]:
@@ -121,6 +131,10 @@ def _prefill_columns(batch: Batch) -> tuple[_Columns, list[int], list[bool], lis
     for seq, chunk in zip(batch.seqs, batch.chunks, strict=True):
         start, end = seq.num_prefilled, seq.num_prefilled + chunk
         final = end == len(seq.prefill_ids)
+        if start == seq.num_cached:  # the first chunk: the cached tokens join the history
+            c.cached_rows += [seq.row] * start
+            c.cached_positions += range(start)
+            c.cached_ids += seq.prefill_ids[:start]
         c.ids += seq.prefill_ids[start:end]
         c.positions += range(start, end)
         c.slots += seq.table.slots(start, end)
@@ -229,5 +243,8 @@ def unpack(plan: Plan, buffer: torch.Tensor, layout: dict[str, int]) -> DevicePl
         prompt_lens=t["prompt_lens"],
         host_drafts=t["host_drafts"].view(b, plan.k),
         unknown=t["unknown"],
+        cached_rows=t["cached_rows"],
+        cached_positions=t["cached_positions"],
+        cached_ids=t["cached_ids"],
         sampling=plan.sampling.to(buffer.device),
     )

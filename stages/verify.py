@@ -35,6 +35,7 @@ class Verifier:
         if plan.kind == StepKind.PREFILL:
             ids = dev.input_ids
             self.history.write_prompt(dev.token_rows, dev.positions, ids)
+            self.history.write_prompt(dev.cached_rows, dev.cached_positions, dev.cached_ids)
         else:
             assert last_token is not None
             ids = self._decode_inputs(last_token, drafts)

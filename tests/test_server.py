@@ -130,6 +130,30 @@ async def test_openai_streams_completions_with_usage(engine: Any) -> None:
     assert spec["steps"] > 0 and 0 < spec["accepted_tokens"] <= spec["draft_tokens"]
 
 
+async def test_a_second_turn_reports_its_cached_prompt_tokens(tiny_target: Path) -> None:
+    """The second turn of a chat resends the first: its prompt's pages come from the prefix
+    cache (usage.prompt_tokens_details.cached_tokens, as OpenAI reports it; /metrics)."""
+    engine = real_engine(tiny_target)
+    async with served(engine) as url:
+        client = openai_client(url)
+        messages = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog"}]
+        request = dict(model=engine.model_name, max_tokens=8, temperature=0)
+        first = await client.chat.completions.create(messages=messages, **request)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "and then?"},
+        ]
+        second = await client.chat.completions.create(messages=messages, **request)
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert 0 < cached < second.usage.prompt_tokens
+        assert cached % engine.config.kv.page_size == 0
+        text = await wait_until_idle(url)
+    assert metric(text, "tandem_prefix_cache_pages") > 0
+    assert 0 < metric(text, "tandem_prefix_cache_hit_rate") < 1
+    assert metric(text, "tandem_kv_pages_used") == 0
+
+
 async def test_openai_streams_chat(engine: Any) -> None:
     async with served(engine) as url:
         client = openai_client(url)

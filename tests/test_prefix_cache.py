@@ -1,0 +1,182 @@
+"""Prefix caching: the index and the allocator under random admission, finishing, aborting,
+preemption and eviction (no page leaked, freed while held, or found under tokens it does not
+hold); and through the engine, output with cache hits equal to output without the cache, for
+every drafter that keeps its state in cached pages."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+
+import pytest
+
+from core.params import SamplingParams
+from core.request import Request
+from core.step import StepKind
+from engine.scheduler import Scheduler
+from kv.pages import OutOfPages, PageAllocator
+from kv.prefix import PrefixIndex
+from tests.engine_util import make_config, ragged_prompts, running, token_ids
+
+PAGE = 4
+
+
+# ---------------------------------------------------------------- the index and the allocator
+
+
+def test_a_prompt_finds_the_full_pages_of_its_longest_cached_prefix():
+    index = PrefixIndex(PAGE)
+    allocator = PageAllocator(8, index)
+    pages = allocator.alloc(3)
+    index.insert(list(range(11)), pages)  # 11 tokens: two full pages cached
+    assert index.match(list(range(20)), 19) == pages[:2]
+    assert index.match([0, 1, 2, 3, 4, 5, 9, 9, 9], 8) == pages[:1]  # differs in page 2
+    assert index.match(list(range(8)), 7) == pages[:1]  # a hit leaves the last token out
+    assert index.match([1, 2, 3, 4], 4) == []  # the same tokens at another place
+
+
+def test_idle_cached_pages_count_as_free_and_are_evicted_least_recently_used():
+    index = PrefixIndex(PAGE)
+    allocator = PageAllocator(4, index)
+    a, b = allocator.alloc(2), allocator.alloc(2)
+    index.insert(list(range(8)), a)
+    index.insert(list(range(100, 108)), b)
+    allocator.free(a)
+    allocator.free(b, after_step=3)  # the device may still write b
+    assert allocator.num_free == 2 and allocator.num_parked == 2
+    allocator.release(3)
+    assert allocator.num_free == 4 and len(index.idle) == 4
+    allocator.share(index.match(list(range(100, 108)) + [0], 8))  # b used again: newest
+    assert sorted(allocator.alloc(2)) == sorted(a)  # the idle pages evicted
+    assert index.match(list(range(8)) + [0], 8) == []  # a was evicted
+    with pytest.raises(OutOfPages):
+        allocator.alloc(1)  # b is held
+
+
+def test_a_page_a_hit_takes_while_parked_stays_held():
+    index = PrefixIndex(PAGE)
+    allocator = PageAllocator(2, index)
+    pages = allocator.alloc(1)
+    index.insert([1, 2, 3, 4], pages)
+    allocator.free(pages, after_step=0)
+    allocator.share(index.match([1, 2, 3, 4, 5], 4))
+    allocator.release(0)
+    assert not index.idle and allocator.num_free == 1
+
+
+def request(name: str, ids: list[int], arrival: float, max_tokens: int) -> Request:
+    return Request(name, ids, SamplingParams(max_tokens=max_tokens, temperature=0), 0, arrival)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_traffic_never_shares_a_page_under_other_tokens_and_leaks_none(seed):
+    """Requests with shared prefixes (and their outputs resent as prompts) are admitted,
+    decode, finish, are aborted and preempted at random over a small pool. The KV each page
+    holds is simulated (the token each slot was written with): a hit may only bring pages
+    holding exactly the prompt's tokens, a held page is never handed out again, and once all
+    requests are gone every page is free."""
+    rng = random.Random(seed)
+    index = PrefixIndex(PAGE)
+    allocator = PageAllocator(24, index)
+    s = Scheduler(allocator, PAGE, max_running=3, max_batch_tokens=12, lookahead=1,
+                  max_model_len=64)  # fmt: skip
+    written: dict[int, int] = {}  # slot -> the token its KV was computed for
+    roots = [[rng.randrange(5) for _ in range(rng.randrange(2, 14))] for _ in range(4)]
+    finished: list[list[int]] = []
+    arrivals = 0
+
+    def token_at(req: Request, position: int) -> int:
+        return req.all_ids[position]
+
+    for step in range(300):
+        if rng.random() < 0.4 and len(s.waiting) < 4:
+            base = rng.choice(roots + finished) if finished else rng.choice(roots)
+            ids = base + [rng.randrange(5) for _ in range(rng.randrange(0, 6))]
+            s.add(request(f"r{arrivals}", ids or [1], float(arrivals), rng.randrange(1, 8)))
+            arrivals += 1
+        for seq in s.running:  # a hit's pages hold the tokens of the prompt
+            for j in range(seq.num_cached):
+                assert written[seq.table.slot(j)] == seq.prefill_ids[j]
+        held = [p for seq in s.running for p in seq.table.pages]
+        assert not set(held) & (set(allocator._free) | set(index.idle))
+        batch = s.schedule(step)
+        if batch is None:
+            continue
+        emits = [
+            batch.kind == StepKind.DECODE or seq.num_prefilled + chunk == len(seq.prefill_ids)
+            for seq, chunk in zip(batch.seqs, batch.chunks, strict=True)
+        ]
+        for seq, chunk in zip(batch.seqs, batch.chunks, strict=True):
+            if batch.kind == StepKind.PREFILL:
+                for p in range(seq.num_prefilled, seq.num_prefilled + chunk):
+                    written[seq.table.slot(p)] = seq.prefill_ids[p]
+            else:  # the last committed token's KV
+                written[seq.table.slot(seq.num_tokens - 1)] = token_at(seq.request, -1)
+        s.planned(batch, emits)
+        for seq, emitting in zip(batch.seqs, emits, strict=True):
+            if emitting:
+                seq.request.output_ids.append(rng.randrange(5))
+            s.landed(seq, emitting, int(emitting))
+            done = len(seq.request.output_ids) >= seq.request.params.max_tokens
+            if done or rng.random() < 0.05:  # finished, or aborted
+                if done:
+                    finished.append(seq.request.all_ids)
+                s.finish(seq.request)
+        s.allocator.release(step)
+    for seq in list(s.running):
+        s.finish(seq.request)
+    s.waiting.clear()
+    allocator.release(10**6)
+    assert allocator.num_free == allocator.num_pages and index.hit > 0
+
+
+# ---------------------------------------------------------------- through the engine
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+# penalties count the prompt's tokens: the cached ones must reach the token history too
+PENALIZED = SamplingParams(max_tokens=12, temperature=0, repetition_penalty=3.0, ignore_eos=True)
+
+
+def conversations(vocab: int = 300) -> list[list[int]]:
+    """Prompts sharing prefixes: a base, the base extended (a hit that ends inside a page of
+    the extension), the base again (a hit of every page short of the last token)."""
+    bases = ragged_prompts(3, vocab, seed=3)
+    return [p for b in bases for p in (b + b[:3], b + b[:3] + [5, 6, 7, 8, 9, 10], b + b[:3])]
+
+
+async def serial(engine, prompts, params):
+    return [token_ids(await engine.generate(p, params)) for p in prompts]
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "draft"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        pytest.param(GREEDY, id="greedy"),
+        pytest.param(SEEDED, id="seeded", marks=pytest.mark.slow),
+        pytest.param(PENALIZED, id="penalized", marks=pytest.mark.slow),
+    ],
+)
+def test_output_with_cache_hits_equals_output_without_the_cache(
+    tiny_target, tiny_draft, method, params
+):
+    async def run(cache: bool):
+        config = make_config(tiny_target, method, tiny_draft, batch_invariant=True)
+        config = dataclasses.replace(config, kv=dataclasses.replace(config.kv, prefix_cache=cache))
+        async with running(config) as engine:
+            prompts = conversations()
+            outs = await serial(engine, prompts, params)
+            # a second turn: the first turn's prompt and answer, and more
+            turn = prompts[0] + outs[0] + [1, 2, 3]
+            outs.append(token_ids(await engine.generate(turn, params)))
+            await engine.wait_idle()
+            assert engine.allocator.num_free == engine.allocator.num_pages
+            prefixes = engine.allocator.prefixes
+            return outs, (prefixes.hit if prefixes else 0)
+
+    with_cache, hit = asyncio.run(run(True))
+    without, _ = asyncio.run(run(False))
+    assert hit > 0
+    assert with_cache == without
