@@ -500,9 +500,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--speculative",
         choices=SPECULATIVE_METHODS,
-        help="how draft tokens are proposed; none: no speculation; grammar: no model, what a "
-        "request's grammar implies (default: draft for the demo, whose draft model and heads "
-        "ship with it; ngram for other models)",
+        help="how draft tokens are proposed; none: no speculation; ngram: the context's "
+        "earlier text; suffix: suffix decoding over the request's context and recent outputs; "
+        "grammar: no model, what a request's grammar implies (default: draft for the demo, "
+        "whose draft model and heads ship with it; ngram for other models)",
     )
     parser.add_argument(
         "--attention",
@@ -574,7 +575,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, S
     a = parser.parse_args(argv)
     model = None if a.model == "demo" else a.model  # EngineConfig: None is the demo
     a.speculative = a.speculative or ("draft" if model is None else "ngram")
-    if a.draft is not None and a.speculative in ("none", "ngram", "grammar"):
+    if a.draft is not None and a.speculative in ("none", "ngram", "suffix", "grammar"):
         parser.error(f"--draft is not used with --speculative {a.speculative}")
     try:
         spec = SpecConfig(

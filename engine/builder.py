@@ -43,6 +43,7 @@ from stages.history import TokenHistory
 from stages.insert import insert_kernel
 from stages.refill import RefillStage
 from stages.sample import SampleStage
+from stages.suffix import SuffixDrafter
 from stages.tree_drafter import DynamicTree, FixedTree, TreeDrafter
 from stages.verify import Verifier
 
@@ -277,6 +278,8 @@ class Builder:
             return NoDrafter()
         if spec.method == "ngram":
             return NgramDrafter(spec.ngram_min, spec.ngram_max)
+        if spec.method == "suffix":
+            return SuffixDrafter()
         if spec.method == "grammar":
             return GrammarDrafter()
         if spec.method == "draft" and self.group is not None and not self.group.leader:

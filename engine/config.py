@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 
 # grammar: no model; a request's drafts are what its grammar implies (structured output)
-SPECULATIVE_METHODS = ("none", "draft", "ngram", "eagle", "mtp", "grammar")
+SPECULATIVE_METHODS = ("none", "draft", "ngram", "suffix", "eagle", "mtp", "grammar")
 ATTENTION_BACKENDS = ("torch", "flashinfer")  # engine/builder.py makes them
 ATTENTION_CHOICES = ("auto", *ATTENTION_BACKENDS)  # auto: flashinfer on CUDA where it imports
 DTYPES = ("float32", "bfloat16", "float16")

@@ -26,6 +26,7 @@ SEEDED = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, ignore_eos=Tr
 DRAFTERS = {
     "draft": ("draft", "draft", 3, {}),
     "ngram": ("ngram", None, 3, {}),
+    "suffix": ("suffix", None, 3, {}),
     "eagle-chain": ("eagle", "eagle", 3, {}),
     "eagle-fixed": ("eagle", "eagle", 3, {"tree": "fixed"}),
     "eagle-dynamic": ("eagle", "eagle", 3, {"tree": "dynamic"}),

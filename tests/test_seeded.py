@@ -40,6 +40,7 @@ DRAFTERS = {
         dict(method="draft", num_speculative_tokens=4, adaptive_k=True),
     ],
     "ngram": [dict(method="ngram", num_speculative_tokens=k) for k in (3, 5)],
+    "suffix": [dict(method="suffix", num_speculative_tokens=k) for k in (3, 5)],
     "eagle-chain": [dict(method="eagle", num_speculative_tokens=k) for k in (2, 4)],
     "eagle-fixed": [dict(method="eagle", tree="fixed")] * 2,
     "eagle-dynamic": [dict(method="eagle", tree="dynamic", tree_nodes=n) for n in (6, 10)],

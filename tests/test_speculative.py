@@ -28,7 +28,7 @@ def expected(tiny_target, prompts):
     return asyncio.run(plain())
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("method", ["draft", "ngram", "suffix"])
 @pytest.mark.parametrize("pages", [256, 40])
 async def test_greedy_speculation_equals_plain(
     tiny_target, tiny_draft, prompts, expected, method, pages

@@ -1,0 +1,181 @@
+"""Suffix decoding (Oliaro et al., "SuffixDecoding: Extreme Speculative Decoding for Emerging AI
+Applications", 2024, as Arctic Inference implements it for vLLM): drafts from the text a
+request and the requests before it have already seen, with no model.
+
+Each request has a suffix tree over its prompt and output; a global one holds the outputs of
+recent requests, the running ones' included as they grow. Both are tries of every substring
+of at most `depth` tokens, each node counting its substring's occurrences. For each length p
+of a suffix of the request's context found in a tree, a draft follows the most frequent
+continuation below it while its estimated probability (the product of count(child) /
+count(node) along the path) stays at least `min_prob`, for at most p * `spec_factor` tokens
+(a long match earns a long draft); the draft with the largest score (its expected number of
+accepted tokens: the sum of the probabilities along it) is proposed, the request's own
+tree's on a tie, as a chain verified like any host draft.
+
+Trees grow incrementally: a token appended to a text extends the nodes of the text's current
+suffixes (at most `depth` of them), so a step costs O(depth) per new token.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from core.request import Request
+from core.step import Sequence
+from stages.draft import NoDrafter
+
+
+class Node:
+    __slots__ = ("count", "children")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.children: dict[int, Node] = {}
+
+
+class SuffixTree:
+    """Every substring of at most `depth` tokens of the texts added, with its count."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.root = Node()
+
+    def add(self, ids: list[int], sign: int = 1) -> None:
+        """Count (sign 1) or uncount (sign -1) the substrings of a whole text."""
+        for start in range(len(ids)):
+            node = self.root
+            for token in ids[start : start + self.depth]:
+                child = node.children.get(token)
+                if child is None:
+                    child = node.children[token] = Node()
+                child.count += sign
+                if child.count == 0:
+                    del node.children[token]
+                    break
+                node = child
+
+    def find(self, pattern: list[int]) -> Node | None:
+        node: Node | None = self.root
+        for token in pattern:
+            node = node.children.get(token) if node is not None else None
+        return node
+
+
+class Cursor:
+    """A text being added to a tree token by token: `active` holds the nodes of the text's
+    current suffixes, longest first."""
+
+    def __init__(self, tree: SuffixTree):
+        self.tree = tree
+        self.length = 0  # tokens added
+        self.active: list[Node] = []
+
+    def extend(self, ids: list[int]) -> None:
+        """Add ids[self.length:] (ids: the whole text so far)."""
+        depth = self.tree.depth
+        for token in ids[self.length :]:
+            grown = []
+            for node in self.active[-(depth - 1) :] + [self.tree.root]:
+                child = node.children.get(token)
+                if child is None:
+                    child = node.children[token] = Node()
+                child.count += 1
+                grown.append(child)
+            self.active = grown
+        self.length = len(ids)
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    score: float  # expected tokens accepted: the sum of the path's probabilities
+
+
+def draft_from(node: Node, limit: int, min_prob: float) -> Draft:
+    """The most frequent path below `node` while its probability is at least min_prob, of at
+    most `limit` tokens (a tie goes to the smaller token id)."""
+    tokens: list[int] = []
+    score, prob = 0.0, 1.0
+    while len(tokens) < limit and node.children:
+        token, child = max(node.children.items(), key=lambda item: (item[1].count, -item[0]))
+        prob *= child.count / node.count
+        if prob < min_prob:
+            break
+        tokens.append(token)
+        score += prob
+        node = child
+    return Draft(tokens, score)
+
+
+class SuffixDrafter(NoDrafter):
+    """Suffix decoding's drafts, proposed on the host at plan time (as n-gram's are)."""
+
+    def __init__(
+        self,
+        depth: int = 24,
+        min_prob: float = 0.1,
+        spec_factor: float = 1.0,
+        max_tokens: int = 16384,
+    ):
+        self.depth, self.min_prob, self.spec_factor = depth, min_prob, spec_factor
+        # running requests: (the request, its own tree's cursor, its output's in the global)
+        self.running: dict[str, tuple[Request, Cursor, Cursor]] = {}
+        self.outputs = SuffixTree(depth)  # the outputs of recent and running requests
+        self.kept: deque[list[int]] = deque()  # finished requests' outputs there, oldest first
+        self.kept_tokens = 0
+        self.max_tokens = max_tokens  # the global tree's bound on finished output tokens
+
+    def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int]] | None:
+        self._retire()
+        return [self.propose_for(s.request, k) for s in seqs]
+
+    def propose_for(self, request: Request, k: int) -> list[int]:
+        if request.request_id not in self.running:
+            own, shared = Cursor(SuffixTree(self.depth)), Cursor(self.outputs)
+            self.running[request.request_id] = request, own, shared
+        _, own, shared = self.running[request.request_id]
+        ids = request.all_ids
+        own.extend(ids)
+        shared.extend(request.output_ids)
+        context = ids[-self.depth :]
+        # own tree: the context's suffixes are its active nodes (shortest first here)
+        mine = self._best(zip(range(1, len(context)), own.active[::-1], strict=False), k)
+        theirs = self._best(_matches(self.outputs, context), k)
+        return (mine if mine.score >= theirs.score else theirs).tokens
+
+    def _best(self, matches: Iterable[tuple[int, Node]], k: int) -> Draft:
+        """The best-scoring draft below the matches (p, node), shortest first; a tie goes to
+        the longer match."""
+        best = Draft([], 0.0)
+        for p, node in matches:
+            draft = draft_from(node, min(k, int(p * self.spec_factor + 1e-6)), self.min_prob)
+            if draft.score >= best.score:
+                best = draft
+        return best
+
+    def _retire(self) -> None:
+        """Finished requests leave; their outputs stay in the global tree until the oldest
+        pass `max_tokens`."""
+        for request_id, (request, _, shared) in list(self.running.items()):
+            if request.finish_reason is None:
+                continue
+            del self.running[request_id]
+            output = request.output_ids[: shared.length]  # what the global tree holds
+            self.kept.append(output)
+            self.kept_tokens += len(output)
+            while self.kept_tokens > self.max_tokens:
+                oldest = self.kept.popleft()
+                self.outputs.add(oldest, sign=-1)
+                self.kept_tokens -= len(oldest)
+
+
+def _matches(tree: SuffixTree, context: list[int]) -> Iterator[tuple[int, Node]]:
+    """(p, node) for each suffix of the context of length p < len(context) found in the
+    tree, shortest first."""
+    for p in range(1, len(context)):
+        node = tree.find(context[-p:])
+        if node is None:
+            return
+        yield p, node
