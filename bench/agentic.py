@@ -1,8 +1,10 @@
-"""Multi-turn chats, each turn resending the whole history: time to first token with and
-without the prefix cache.
+"""Agentic workloads on SmolLM2: multi-turn chats with and without the prefix cache, and code
+edits whose answer repeats most of the prompt, per drafter.
 
-    python -m bench.agentic [--model smollm2] [--chats 3] [--turns 5] [--max-tokens 64]
-        [--out bench/results/agentic.json]
+    python -m bench.agentic [--workload chats] [--chats 3] [--turns 5] [--max-tokens 64]
+    python -m bench.agentic --workload edits [--methods none ngram suffix] [--rounds 1] [--k 4]
+
+Chats:
 
 A chat opens with a file to read (the first 4,000 characters of a module of Python's own
 library, so that the requests are fixed by this script) and a question about it; each later
@@ -12,6 +14,13 @@ prefix cache and one without (no speculation, greedy, batch 1), taking each turn
 that the machine's drift falls on both alike. Per turn: prompt tokens, the tokens the cache
 brought (`usage.prompt_tokens_details.cached_tokens`), and the time to first token of each
 engine; at the end the median ratio over the second and later turns.
+
+Edits: six functions of Python's library (49-80 lines), each with an instruction to rename
+one of its variables and answer with the whole function; greedy, batch 1, up to 768 tokens,
+eos honoured. Each method's engine runs in a process of its own (bench/common.py
+EngineProcess) and the methods take each task in turn. Per method: decode tokens/s after the
+first token, its ratio to no speculation, tokens per speculative step, and the share of the
+answers' tokens that sit in a run of 8 tokens found in the prompt (how much the model copied).
 """
 
 from __future__ import annotations
@@ -99,6 +108,116 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+# ---- code edits ----
+
+EDITS = (  # (module, function, a variable in it, its new name)
+    ("textwrap", "dedent", "margin", "common_margin"),
+    ("heapq", "nsmallest", "result", "found"),
+    ("heapq", "merge", "h_append", "push"),
+    ("json.decoder", "JSONObject", "pairs", "members"),
+    ("fractions", "Fraction.limit_denominator", "bound1", "lower"),
+    ("textwrap", "TextWrapper._wrap_chunks", "cur_line", "line"),
+)
+COPY_RUN = 8  # an answer token counts as copied inside a run of this many found in the prompt
+
+
+def edit_prompts() -> list[str]:
+    prompts = []
+    for module, name, old, new in EDITS:
+        target: Any = importlib.import_module(module)
+        for part in name.split("."):
+            target = getattr(target, part)
+        source = inspect.getsource(target)
+        assert old in source, (name, old)
+        prompts.append(
+            f"Rename the variable `{old}` to `{new}` in this Python function. Answer with the "
+            f"whole function and nothing else.\n\n```python\n{source}```"
+        )
+    return prompts
+
+
+async def edit(engine: AsyncEngine, text: str, max_tokens: int) -> dict[str, Any]:
+    """One edit task: decode tokens, seconds after the first token, speculative steps and
+    accepted drafts, and the answer's copied tokens."""
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": text}])
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    first = last = 0.0
+    ids: list[int] = []
+    usage = None
+    async for delta in engine.submit(prompt, params):
+        now = time.perf_counter()
+        if delta.token_ids and not ids:
+            first = now
+        last = now if delta.token_ids else last
+        ids += delta.token_ids
+        usage = delta.usage or usage
+    assert usage is not None
+    return {
+        "tokens": len(ids) - 1,  # the first is the prefill's
+        "seconds": last - first,
+        "steps": usage.spec_steps,
+        "accepted": usage.accepted_tokens,
+        "copied": copied(prompt, ids),
+        "answer": len(ids),
+    }
+
+
+def copied(prompt: list[int], answer: list[int]) -> int:
+    """Answer tokens inside a run of COPY_RUN tokens that also occurs in the prompt."""
+    runs = {tuple(prompt[i : i + COPY_RUN]) for i in range(len(prompt) - COPY_RUN + 1)}
+    covered = [False] * len(answer)
+    for i in range(len(answer) - COPY_RUN + 1):
+        if tuple(answer[i : i + COPY_RUN]) in runs:
+            covered[i : i + COPY_RUN] = [True] * COPY_RUN
+    return sum(covered)
+
+
+def run_edits(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from bench.common import EngineProcess
+    from engine.config import SpecConfig
+
+    methods = ["none"] + [m for m in args.methods if m != "none"]
+    kv = KVConfig(num_pages=args.num_pages)
+    cells = {
+        m: EngineProcess(
+            EngineConfig(
+                args.model, SpecConfig(m, num_speculative_tokens=args.k), kv, max_running=1
+            )
+        )
+        for m in methods
+    }
+    totals = {m: dict.fromkeys(("tokens", "seconds", "steps", "accepted", "copied", "answer"), 0.0)
+              for m in methods}  # fmt: skip
+    try:
+        prompts = edit_prompts()
+        for cell in cells.values():  # warm-up: the cost model's first estimates, the caches
+            cell.run(edit, prompts[0], 32)
+        for _ in range(args.rounds):
+            for text in prompts:  # task by task, each method in turn
+                for method, cell in cells.items():
+                    for key, value in cell.run(edit, text, args.max_tokens).items():
+                        totals[method][key] += value
+    finally:
+        for cell in cells.values():
+            cell.close()
+    rows = []
+    base = totals["none"]["tokens"] / totals["none"]["seconds"]
+    for method, t in totals.items():
+        speed = t["tokens"] / t["seconds"]
+        row = {
+            "method": method,
+            "tok_s": round(speed, 2),
+            "vs_none": round(speed / base, 3),
+            "tokens_per_spec_step": round(1 + t["accepted"] / t["steps"], 2)
+            if t["steps"]
+            else None,
+            "copied_share": round(t["copied"] / t["answer"], 3),
+        }
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def summary(rows: list[dict[str, Any]]) -> str:
     later = [r for r in rows if r["turn"] > 0]
     speedup = statistics.median(r["ttft_plain"] / r["ttft_cached"] for r in later)
@@ -111,16 +230,25 @@ def summary(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.agentic", description=__doc__)
+    parser.add_argument("--workload", choices=("chats", "edits"), default="chats")
     parser.add_argument("--model", default="smollm2", help="smollm2, a path, or demo")
+    parser.add_argument("--methods", nargs="+", default=["none", "ngram", "suffix"])
+    parser.add_argument("--rounds", type=int, default=1, help="edits: passes over the tasks")
+    parser.add_argument("--k", type=int, default=4, help="edits: the most draft tokens a step")
     parser.add_argument("--chats", type=int, default=3)
     parser.add_argument("--turns", type=int, default=5)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=None, help="chats 64, edits 768")
     parser.add_argument("--num-pages", type=int, default=512, help="KV pages of each engine")
     parser.add_argument("--out", type=Path, default=None, help="write the rows here (JSON)")
     args = parser.parse_args(argv)
     args.model = None if args.model == "demo" else args.model
-    rows = asyncio.run(run(args))
-    print(summary(rows))
+    if args.workload == "edits":
+        args.max_tokens = args.max_tokens or 768
+        rows = run_edits(args)
+    else:
+        args.max_tokens = args.max_tokens or 64
+        rows = asyncio.run(run(args))
+        print(summary(rows))
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1) + "\n")
     return 0

@@ -3,11 +3,15 @@ over a batch of sequences for timing one forward alone."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import multiprocessing
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -84,3 +88,40 @@ def text_table(header: list[str], rows: Sequence[Sequence[object]]) -> str:
         ["| " + " | ".join(lines[0]) + " |", rule]
         + ["| " + " | ".join(r) + " |" for r in lines[1:]]
     )
+
+
+class EngineProcess:
+    """An engine in a process of its own (spawned), one job at a time: `run(job, *args)` runs
+    `await job(engine, *args)` there (`job` a module-level coroutine function, its arguments
+    and result picklable). Processes, not engines side by side: after a speculative engine has
+    run in a process, plain decoding there runs slower (bench/results/NOTES.md)."""
+
+    def __init__(self, config: Any):
+        spawn = multiprocessing.get_context("spawn")
+        self.pool = ProcessPoolExecutor(1, mp_context=spawn, initializer=_start, initargs=(config,))
+
+    def run(self, job: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        return self.pool.submit(_run, job, *args).result()
+
+    def close(self) -> None:
+        self.pool.submit(_stop).result()
+        self.pool.shutdown()
+
+
+_here: dict[str, Any] = {}  # an EngineProcess's engine and event loop
+
+
+def _start(config: Any) -> None:
+    from engine.engine import AsyncEngine
+
+    loop = _here["loop"] = asyncio.new_event_loop()
+    engine = _here["engine"] = AsyncEngine(config)
+    loop.run_until_complete(engine.start())
+
+
+def _run(job: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    return _here["loop"].run_until_complete(job(_here["engine"], *args))
+
+
+def _stop() -> None:
+    _here["loop"].run_until_complete(_here["engine"].stop())

@@ -24,16 +24,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import stages.grammar
+from bench.common import EngineProcess
 from core.params import Grammar, SamplingParams
 from core.step import StepKind
 from engine.builder import model_path
@@ -175,57 +174,36 @@ class Row:
 
 
 class Cell:
-    """A method's engine in a process of its own, running one task at a time. Processes, not
-    engines side by side: after a speculative engine has run in a process, plain decoding
-    there runs slower (bench/results/NOTES.md)."""
+    """A method's engine in a process of its own (bench/common.py EngineProcess), running one
+    task at a time."""
 
     def __init__(self, model: str | None, method: str, grammar: bool, args: argparse.Namespace):
         self.row = Row(method, grammar)
-        spawn = multiprocessing.get_context("spawn")
-        self.pool = ProcessPoolExecutor(
-            1, mp_context=spawn, initializer=_start_here, initargs=(model, method, args)
-        )
+        self.max_tokens = args.max_tokens
+        kv = KVConfig(page_size=16, num_pages=max(64, 4 * (args.max_tokens // 16 + 40)))
+        config = EngineConfig(model, spec_for(method, args.k), kv, max_running=1)
+        self.engine = EngineProcess(config)
+        if method == "grammar-forced":
+            self.engine.run(_forced_only)
+        self.engine.run(run_task, 0, True, self.max_tokens)  # warm-up: the cost model, xgrammar
 
     def run(self, task: int) -> None:
-        self.row.add(self.pool.submit(_run_here, task, self.row.grammar).result())
+        self.row.add(self.engine.run(run_task, task, self.row.grammar, self.max_tokens))
 
     def close(self) -> None:
-        self.pool.submit(_stop_here).result()
-        self.pool.shutdown()
+        self.engine.close()
 
 
-# the engine of a Cell's process, and its event loop
-_here: dict[str, Any] = {}
-
-
-def _start_here(model: str | None, method: str, args: argparse.Namespace) -> None:
-    loop = _here["loop"] = asyncio.new_event_loop()
-    engine = _here["engine"] = loop.run_until_complete(start(model, method, args))
-    _here["tasks"], _here["max_tokens"] = load_tasks(), args.max_tokens
-    warm = Row(method, True)  # the cost model's probes, the grammar compiler
-    loop.run_until_complete(one(engine, _here["tasks"][0], True, args.max_tokens, warm))
-
-
-def _run_here(task: int, grammar: bool) -> Row:
+async def run_task(engine: AsyncEngine, task: int, grammar: bool, max_tokens: int) -> Row:
     row = Row("", grammar)
     with GrammarClock() as clock:
-        work = one(_here["engine"], _here["tasks"][task], grammar, _here["max_tokens"], row)
-        _here["loop"].run_until_complete(work)
+        await one(engine, load_tasks()[task], grammar, max_tokens, row)
     row.steps, row.grammar_s = clock.steps, clock.seconds
     return row
 
 
-def _stop_here() -> None:
-    _here["loop"].run_until_complete(_here["engine"].stop())
-
-
-async def start(model: str | None, method: str, args: argparse.Namespace) -> AsyncEngine:
-    kv = KVConfig(page_size=16, num_pages=max(64, 4 * (args.max_tokens // 16 + 40)))
-    engine = AsyncEngine(EngineConfig(model, spec_for(method, args.k), kv, max_running=1))
-    if method == "grammar-forced":
-        engine.planner.spell = None  # forced tokens only
-    await engine.start()
-    return engine
+async def _forced_only(engine: AsyncEngine) -> None:
+    engine.planner.spell = None  # drafts: the tokens the grammar forces, no spelled strings
 
 
 async def one(engine: AsyncEngine, task: Task, grammar: bool, max_tokens: int, row: Row) -> None:

@@ -316,7 +316,9 @@ class Builder:
             scratch_pages = rows * -(-shape.scratch_size // page_size)  # whole pages a row
             cache = self.cache_for(head, num_pages + scratch_pages)
             start = num_pages * page_size
-            return TreeDrafter(head, cache, attention, rows, shape, target_cache, start, sampled)
+            return TreeDrafter(
+                head, cache, attention, rows, shape, target_cache, start, sampled, aware
+            )
         raise ValueError(f"speculative method {spec.method!r} is not available yet")
 
     def _head_dir(self, spec: SpecConfig, method: str, name: str) -> Path:

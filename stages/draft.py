@@ -71,7 +71,7 @@ def draft_chain(
     for j in range(k):
         u_j = None if u is None else u[:, j]
         if grammar is not None:
-            logits = _grammar_masked(logits, grammar.allowed())
+            logits = grammar_masked(logits, grammar.allowed())
         token, q = choose_drafts(logits, st, u_j, None if noise is None else noise[:, j])
         tokens.append(token)
         if q is not None:
@@ -86,12 +86,14 @@ def draft_chain(
     return Drafts(torch.stack(tokens, 1), stacked, noise=noise)
 
 
-def _grammar_masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Drafter logits [B, V] masked by the grammar; a row the mask leaves empty (a drafter's
+def grammar_masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Drafter logits [..., V] masked by the grammar; a row the mask leaves empty (a drafter's
     reduced vocabulary holds no allowed token) keeps its own, whose draft the sampler rejects."""
-    masked = mask_logits(logits[:, None], allowed[:, None])[:, 0]
-    empty = torch.isneginf(masked).all(-1, keepdim=True)  # [B, 1]
-    return torch.where(empty, logits, masked)
+    shape = logits.shape
+    flat, mask = logits.reshape(-1, shape[-1]), allowed.reshape(-1, shape[-1])
+    masked = mask_logits(flat[:, None], mask[:, None])[:, 0]
+    empty = torch.isneginf(masked).all(-1, keepdim=True)  # [N, 1]
+    return torch.where(empty, flat, masked).view(shape)
 
 
 def refill_columns(num_accepted: torch.Tensor, width: int) -> int:

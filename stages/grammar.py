@@ -88,6 +88,20 @@ class GrammarWalk:
                         out[b, i + 1] = allowed[-1]
         return out
 
+    def after(self, paths: list[list[list[int]]]) -> torch.Tensor:
+        """[B, m, V] bool: each row's mask after each of its m token paths (from the committed
+        tokens); a path the grammar forbids allows everything (nothing it drafts is kept)."""
+        m = len(paths[0]) if paths else 0
+        out = torch.ones(len(self.matchers), m, self.vocab, dtype=torch.bool)
+        for b, matcher in enumerate(self.matchers):
+            if matcher is None:
+                continue
+            for i, path in enumerate(paths[b]):
+                allowed, walked = self.mask(matcher, path)
+                if walked == len(path):
+                    out[b, i] = allowed[-1]
+        return out
+
     def commit(self, tokens: list[list[int]], emitted: list[int]) -> None:
         """Each row's matcher advanced over the tokens the step emitted for it."""
         for matcher, row, n in zip(self.matchers, tokens, emitted, strict=True):

@@ -14,7 +14,8 @@ from core.params import SamplingTensors
 from core.step import DevicePlan, Drafts, Plan, TargetOutput, Verdict
 from kv.cache import KVCache
 from models.attention import AttentionBackend
-from stages.draft import refill_columns
+from stages.draft import grammar_masked, refill_columns
+from stages.grammar import GrammarWalk
 from stages.head_drafter import Head, HeadDrafter
 from stages.sampling import SALT_CHILD, coupling_noise, draw, process_logits, uniforms
 from stages.tree import move_tree_path, tree_ancestors, tree_drafts
@@ -42,8 +43,9 @@ class TreeDrafter(HeadDrafter):
         target_cache: KVCache,
         scratch_start: int,
         sampled: bool = False,
+        grammar_aware: bool = True,
     ):
-        super().__init__(head, cache, attention, max_rows, sampled)
+        super().__init__(head, cache, attention, max_rows, sampled, grammar_aware)
         self.shape = shape
         self.target_cache = target_cache
         self.scratch_start = scratch_start  # the first scratch slot (scratch_slots)
@@ -51,7 +53,8 @@ class TreeDrafter(HeadDrafter):
     def propose(self, plan: Plan, dev: DevicePlan) -> Drafts:
         st, shape = dev.sampling, self.shape
         sampled = self.sampled and not st.all_greedy
-        tree = shape.draft(self, dev, plan.k, st if sampled else None)
+        walk = GrammarWalk.of(plan.seqs) if self.grammar_aware else None
+        tree = shape.draft(self, dev, plan.k, st if sampled else None, walk)
         # never accept past num_drafts: deeper nodes become padding (their subtrees too)
         tokens = torch.where(tree.depths <= dev.num_drafts[:, None], tree.tokens, -1)
         depth = min(shape.depth, plan.k)
@@ -225,16 +228,23 @@ class FixedTree:
         return visible.to(self.device)
 
     def draft(
-        self, d: TreeDrafter, dev: DevicePlan, n: int, st: SamplingTensors | None = None
+        self,
+        d: TreeDrafter,
+        dev: DevicePlan,
+        n: int,
+        st: SamplingTensors | None = None,
+        walk: GrammarWalk | None = None,
     ) -> DraftedTree:
         """The first n nodes; a prefix of the nodes is a tree: its ancestors are a corner of
         the whole tree's. With `st` children are drawn from q (and kept, for the sampler);
         coupled rows take q's top Gumbel-perturbed tokens. Without, children are ranked by
-        the head's logits (the order of its probabilities)."""
+        the head's logits (the order of its probabilities). With `walk` the head's logits
+        are masked by each request's grammar after each node's path (grammar_masked)."""
         logits, hidden = d.roots(dev)  # [B, V], [B, H]
         b = logits.shape[0]
         noise = _tree_noise(dev, st, self.depth, logits.shape[-1])
-        children, hidden = logits[:, None], hidden[:, None]  # the nodes run: the root
+        children, hidden = _masked(walk, logits, None)[:, None], hidden[:, None]  # the root
+        paths = above = None  # [B, m, level] the token paths of the nodes run (a grammar's)
         tokens, drawn_from = [], []  # per depth [B, its nodes], [B, its nodes, V]
         for level, nodes in enumerate(self.levels, start=1):
             if st is None:
@@ -256,7 +266,13 @@ class FixedTree:
                 fed = hidden.expand(b, len(run.places), -1)
             else:
                 fed = hidden.index_select(1, run.feeds)
+            if walk is not None:  # the nodes' paths: their parents' (run above), then theirs
+                paths = ids[..., None]
+                if run.feeds is not None and above is not None:
+                    paths = torch.cat([above.index_select(1, run.feeds), paths], 2)
+                above = paths
             children, hidden = d.expand(dev, level, run.first, ids, fed, run.visible)
+            children = _masked(walk, children, paths)
         expand = lambda t: t[None, :n].expand(b, -1)
         ancestors = self.ancestors[:, :n, :n].expand(b, -1, -1)
         q_nodes = torch.cat(drawn_from, 1)[:, :n] if drawn_from else None
@@ -293,13 +309,20 @@ class DynamicTree:
         self.depths = torch.tensor(depths, dtype=torch.long, device=device)  # [C] candidates
 
     def draft(
-        self, d: TreeDrafter, dev: DevicePlan, n: int, st: SamplingTensors | None = None
+        self,
+        d: TreeDrafter,
+        dev: DevicePlan,
+        n: int,
+        st: SamplingTensors | None = None,
+        walk: GrammarWalk | None = None,
     ) -> DraftedTree:
         """n nodes, without ancestors (tree_drafts finds them) or q (children ranked by score
         are point masses). With `st`, a coupled row ranks children by their Gumbel-perturbed
-        log-probability (the coupling's guess at the target's token there)."""
+        log-probability (the coupling's guess at the target's token there). With `walk` the
+        head's logits are masked by each request's grammar after each candidate's path."""
         k, s = self.topk, self.scratch_size
         logits, feature = d.roots(dev)  # [B, V], [B, H]
+        logits = _masked(walk, logits, None)
         noise = _tree_noise(dev, st, self.depth, logits.shape[-1])
 
         def log_probs(logits: torch.Tensor, level: int) -> torch.Tensor:  # [B, ..., V]
@@ -316,6 +339,7 @@ class DynamicTree:
         logp = log_probs(logits, 0)
         b, device = logp.shape[0], logp.device
         score, token = logp.topk(k)  # [B, k] the newest level's candidates
+        spelled = token[..., None]  # [B, c, level] their token paths (used with a grammar)
         scores, tokens, parents = [score], [token], [torch.full_like(token, -1)]
         fed = feature[:, None].expand(b, k, -1)  # [B, c, H] each candidate's parent feature
         owner = torch.full_like(token, -1)  # [B, c] scratch index of its parent (-1: root)
@@ -332,9 +356,14 @@ class DynamicTree:
             ids = token.gather(1, pick)
             inputs = fed.gather(1, pick[..., None].expand(-1, -1, fed.shape[2]))
             children, hidden = d.expand(dev, level, first, ids, inputs, row)
+            if walk is not None:
+                spelled = spelled.gather(1, pick[..., None].expand(-1, -1, spelled.shape[2]))
+                children = _masked(walk, children, spelled)
             child_score, child = log_probs(children, level).topk(k)  # [B, k, k]
             score = (score.gather(1, pick)[..., None] + child_score).flatten(1)  # [B, k * k]
             token = child.flatten(1)
+            if walk is not None:
+                spelled = torch.cat([spelled.repeat_interleave(k, 1), token[..., None]], 2)
             parents.append((start + pick).repeat_interleave(k, 1))
             start += scores[-1].shape[1]
             fed = hidden.repeat_interleave(k, 1)
@@ -345,6 +374,17 @@ class DynamicTree:
             torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1), self.depths, n
         )
         return DraftedTree(chosen, node_parents, depths, None, None, noise)
+
+
+def _masked(walk: GrammarWalk | None, logits: torch.Tensor, paths: torch.Tensor | None):
+    """Head logits [B, m, V] (the root's [B, V]) masked by each row's grammar after each
+    node's token path [B, m, L] (None: the root, after the committed tokens); unchanged
+    without a grammar."""
+    if walk is None:
+        return logits
+    listed = [[[]] for _ in walk.matchers] if paths is None else paths.tolist()
+    allowed = walk.after(listed).to(logits.device)
+    return grammar_masked(logits, allowed.view(logits.shape))
 
 
 def _best(scores, tokens, parents, depths, n: int):

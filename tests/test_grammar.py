@@ -249,6 +249,9 @@ DRAFTERS = {
         heads / "eagle",
         spec_kw={"tree": "dynamic", "tree_nodes": 7, "tree_depth": 3, "tree_topk": 3},
     ),  # fmt: skip
+    "eagle-fixed-tree": lambda target, heads, draft: make_config(
+        target, "eagle", heads / "eagle", spec_kw={"tree": "fixed"}
+    ),
     "mtp": lambda target, heads, draft: make_config(target, "mtp", heads / "mtp", k=3),
     "draft-unaware": lambda target, heads, draft: make_config(
         target, "draft", draft, k=3, spec_kw={"grammar_drafting": False}
@@ -324,6 +327,21 @@ def grammar_laws(target_dir, grammars: Grammars, grammar: Grammar) -> tuple[dict
     visit([], 1.0, 1.0)
     total = sum(whole.values())
     return masked, {k: v / total for k, v in whole.items()}
+
+
+@pytest.mark.parametrize("tree", ["fixed", "dynamic"])
+async def test_grammar_aware_trees_waste_fewer_drafts(tiny_target, heads, plain, tree):
+    """A tree drafted from the head's logits masked by the grammar along each node's path
+    keeps more of its drafts than one drafted unaware of it (whose nodes the sampler masks),
+    and both give plain decoding's output."""
+    accepted = {}
+    for aware in (True, False):
+        spec = {"tree": tree, "grammar_drafting": aware}
+        config = make_config(tiny_target, "eagle", heads / "eagle", spec_kw=spec)
+        outs = await generate_all(dataclasses.replace(config, max_running=32))
+        assert [token_ids(o) for o in outs] == [token_ids(o) for o in plain]
+        accepted[aware] = sum(o[-1].usage.accepted_tokens for o in outs)
+    assert accepted[True] > accepted[False]
 
 
 @pytest.fixture(scope="module")
