@@ -3,6 +3,7 @@ edits whose answer repeats most of the prompt, per drafter.
 
     python -m bench.agentic [--workload chats] [--chats 3] [--turns 5] [--max-tokens 64]
     python -m bench.agentic --workload edits [--methods none ngram suffix] [--rounds 1] [--k 4]
+    python -m bench.agentic --workload echo [...]
 
 Chats:
 
@@ -21,6 +22,9 @@ eos honoured. Each method's engine runs in a process of its own (bench/common.py
 EngineProcess) and the methods take each task in turn. Per method: decode tokens/s after the
 first token, its ratio to no speculation, tokens per speculative step, and the share of the
 answers' tokens that sit in a run of 8 tokens found in the prompt (how much the model copied).
+
+Echo: six tool results (a JSON list of eight records, drawn with a fixed seed) to be repeated
+with one record's status changed; run and reported as the edits are.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import asyncio
 import importlib
 import inspect
 import json
+import random
 import statistics
 import time
 from collections.abc import Sequence
@@ -136,6 +141,29 @@ def edit_prompts() -> list[str]:
     return prompts
 
 
+def echo_prompts(n: int = 6) -> list[str]:
+    """Tool results to hand back changed: a JSON list of records (fixed by a seeded draw), to
+    be repeated with one field of one record changed."""
+    rng = random.Random(7)
+    names = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
+    cities = ["Lisbon", "Oslo", "Quito", "Hanoi", "Perth", "Accra", "Lima", "Riga"]
+    prompts = []
+    for task in range(n):
+        records = [
+            {"id": 100 * task + i, "name": rng.choice(names), "city": rng.choice(cities),
+             "score": rng.randrange(1000), "status": "open"}
+            for i in range(8)
+        ]  # fmt: skip
+        target = records[rng.randrange(8)]["id"]
+        result = json.dumps({"results": records}, indent=1)
+        prompts.append(
+            f"A tool returned this JSON:\n\n```json\n{result}\n```\n\nRepeat the JSON "
+            f'exactly, with the status of the record with id {target} set to "closed". '
+            "Answer with the JSON only."
+        )
+    return prompts
+
+
 async def edit(engine: AsyncEngine, text: str, max_tokens: int) -> dict[str, Any]:
     """One edit task: decode tokens, seconds after the first token, speculative steps and
     accepted drafts, and the answer's copied tokens."""
@@ -172,7 +200,7 @@ def copied(prompt: list[int], answer: list[int]) -> int:
     return sum(covered)
 
 
-def run_edits(args: argparse.Namespace) -> list[dict[str, Any]]:
+def run_tasks(args: argparse.Namespace) -> list[dict[str, Any]]:
     from bench.common import EngineProcess
     from engine.config import SpecConfig
 
@@ -189,7 +217,7 @@ def run_edits(args: argparse.Namespace) -> list[dict[str, Any]]:
     totals = {m: dict.fromkeys(("tokens", "seconds", "steps", "accepted", "copied", "answer"), 0.0)
               for m in methods}  # fmt: skip
     try:
-        prompts = edit_prompts()
+        prompts = edit_prompts() if args.workload == "edits" else echo_prompts()
         for cell in cells.values():  # warm-up: the cost model's first estimates, the caches
             cell.run(edit, prompts[0], 32)
         for _ in range(args.rounds):
@@ -230,7 +258,7 @@ def summary(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.agentic", description=__doc__)
-    parser.add_argument("--workload", choices=("chats", "edits"), default="chats")
+    parser.add_argument("--workload", choices=("chats", "edits", "echo"), default="chats")
     parser.add_argument("--model", default="smollm2", help="smollm2, a path, or demo")
     parser.add_argument("--methods", nargs="+", default=["none", "ngram", "suffix"])
     parser.add_argument("--rounds", type=int, default=1, help="edits: passes over the tasks")
@@ -242,9 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the rows here (JSON)")
     args = parser.parse_args(argv)
     args.model = None if args.model == "demo" else args.model
-    if args.workload == "edits":
+    if args.workload in ("edits", "echo"):
         args.max_tokens = args.max_tokens or 768
-        rows = run_edits(args)
+        rows = run_tasks(args)
     else:
         args.max_tokens = args.max_tokens or 64
         rows = asyncio.run(run(args))

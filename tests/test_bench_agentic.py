@@ -3,7 +3,15 @@ its own (bench/common.py EngineProcess) as the benchmarks run them."""
 
 from __future__ import annotations
 
-from bench.agentic import COPY_RUN, EDITS, chat_openings, copied, edit_prompts, questions
+from bench.agentic import (
+    COPY_RUN,
+    EDITS,
+    chat_openings,
+    copied,
+    echo_prompts,
+    edit_prompts,
+    questions,
+)
 from bench.common import EngineProcess
 from engine.config import EngineConfig, KVConfig
 from engine.engine import AsyncEngine
@@ -15,6 +23,7 @@ def test_the_requests_are_fixed_by_the_script():
     for prompt, (_, _, old, new) in zip(prompts, EDITS, strict=True):
         assert f"`{old}` to `{new}`" in prompt and prompt.count(old) > 2
     assert edit_prompts() == prompts and len(chat_openings(3)) == 3
+    assert echo_prompts() == echo_prompts() and len(echo_prompts()) == 6
     assert len(questions()) >= 12  # enough for 3 chats of 5 turns
 
 
