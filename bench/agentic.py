@@ -16,7 +16,7 @@ that the machine's drift falls on both alike. Per turn: prompt tokens, the token
 brought (`usage.prompt_tokens_details.cached_tokens`), and the time to first token of each
 engine; at the end the median ratio over the second and later turns.
 
-Edits: six functions of Python's library (49-80 lines), each with an instruction to rename
+Edits: six functions of Python's library (49-102 lines), each with an instruction to rename
 one of its variables and answer with the whole function; greedy, batch 1, up to 768 tokens,
 eos honoured. Each method's engine runs in a process of its own (bench/common.py
 EngineProcess) and the methods take each task in turn. Per method: decode tokens/s after the
