@@ -33,8 +33,7 @@ class KVConfig:
     # KV budget (the target's cache and a drafter's, which gets half) when num_pages is 0
     memory_bytes: int = 1 << 30
     # full pages found again by their tokens and every token before (kv/prefix.py), shared
-    # between requests; with a head drafter (EAGLE, MTP) not yet: their features at a cached
-    # prefix's end are not kept
+    # between requests; not yet with an EAGLE head (SpecConfig.caches_prefixes)
     prefix_cache: bool = True
 
     def __post_init__(self) -> None:
@@ -124,8 +123,9 @@ class SpecConfig:
 
     @property
     def caches_prefixes(self) -> bool:
-        """Whether a prefix cache hit keeps what the drafter needs (not a head's features)."""
-        return self.method not in ("eagle", "mtp")
+        """Whether a prefix cache hit keeps what the drafter needs: not an EAGLE head's,
+        whose pair at a hit's last position belongs to the token after it."""
+        return self.method != "eagle"
 
     @property
     def one_token_mode(self) -> bool:

@@ -58,6 +58,10 @@ class HeadDrafter:
         # the target feature of the last token of each row's latest prompt chunk: the next
         # chunk pairs it with its first token
         self.last_feature = weight.new_zeros(max_rows, h)  # [rows, H]
+        # the target feature at each page's last position, once committed: a chunk that
+        # starts on a page boundary pairs it with its first token (after a prefix-cache hit,
+        # the page's only record of it)
+        self.page_features = weight.new_zeros(cache.num_pages, h)  # [pages, H]
 
     def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int]] | None:
         return None
@@ -67,14 +71,23 @@ class HeadDrafter:
 
     def prefill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
         """The pairs of the chunk's tokens; a chunk's first token takes its feature from the
-        previous chunk. For a final chunk also the pair of the sampled token, whose outputs
-        wait for the first decode."""
+        previous chunk (on a page boundary from the page before, which a prefix-cache hit
+        brings). For a final chunk also the pair of the sampled token, whose outputs wait for
+        the first decode."""
         meta = dev.target_meta
         seq = torch.div(meta.q_index, meta.max_q, rounding_mode="floor")  # [T]
         first = meta.q_index % meta.max_q == 0  # [T] first token of its sequence's chunk
         target = self.head.target_features(out)  # [T, H]
+        ps = self.cache.page_size
+        ends = (dev.positions + 1) % ps == 0  # [T] a page's last position
+        self.page_features[_page(meta.slot_mapping[ends], ps)] = target[ends]
+        before = meta.kv_slots[seq, (dev.positions - 1).clamp(min=0)]  # [T] the slot before
+        on_boundary = (dev.positions % ps == 0)[:, None]
+        carried = torch.where(
+            on_boundary, self.page_features[_page(before, ps)], self.last_feature[dev.token_rows]
+        )
         previous = torch.roll(target, 1, 0)  # [T, H] the feature of the token before
-        features = torch.where(first[:, None], self.last_feature[dev.token_rows], previous)
+        features = torch.where(first[:, None], carried, previous)
         features = features.masked_fill((dev.positions == 0)[:, None], 0)  # none before t_0
         shift = 1 - self.offset  # a pair sits `shift` positions before its token
         positions = dev.positions - shift  # [T]
@@ -126,7 +139,18 @@ class HeadDrafter:
         positions = dev.base[:, None] + o + torch.arange(m, device=tokens.device)  # [B, m]
         slots = dev.tail_slots[:, o : o + m]
         self._defer(dev, None, tokens, features, positions, slots, verdict.num_accepted)
+        self.keep_page_ends(dev, features, verdict.num_accepted)
         return m
+
+    def keep_page_ends(
+        self, dev: DevicePlan, features: torch.Tensor, accepted: torch.Tensor
+    ) -> None:
+        """page_features at the committed positions base .. base + accepted (features
+        [B, m, H] of positions base + j) that end a page."""
+        m, ps = features.shape[1], self.cache.page_size
+        j = torch.arange(m, device=features.device)
+        ends = (j <= accepted[:, None]) & ((dev.base[:, None] + j + 1) % ps == 0)  # [B, m]
+        self.page_features[_page(dev.tail_slots[:, :m][ends], ps)] = features[ends]
 
     def _defer(self, dev, index, tokens, features, positions, slots, accepted) -> None:
         """Run the head over pairs [E, m] and keep its outputs at column `accepted` (0 if None)
@@ -150,3 +174,7 @@ class HeadDrafter:
 
     def _attention(self, meta: AttentionMetadata) -> Attention:
         return self.attention(meta, self.cache, self.head.config.num_heads)
+
+
+def _page(slots: torch.Tensor, page_size: int) -> torch.Tensor:
+    return torch.div(slots, page_size, rounding_mode="floor")

@@ -78,6 +78,7 @@ class TreeDrafter(HeadDrafter):
         positions = dev.base[:, None] + o + torch.arange(m, device=path.device)  # [B, m]
         tokens = verdict.tokens[:, :m].clamp(min=0)
         self._defer(dev, None, tokens, features, positions, dev.tail_slots[:, o : o + m], accepted)
+        self.keep_page_ends(dev, features, accepted)
         return m
 
     def roots(self, dev: DevicePlan) -> tuple[torch.Tensor, torch.Tensor]:

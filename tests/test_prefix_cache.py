@@ -1,7 +1,8 @@
 """Prefix caching: the index and the allocator under random admission, finishing, aborting,
 preemption and eviction (no page leaked, freed while held, or found under tokens it does not
 hold); and through the engine, output with cache hits equal to output without the cache, for
-every drafter that keeps its state in cached pages."""
+every drafter that keeps its state in cached pages, its drafts kept alike (batch-invariant:
+a drafter whose state a hit lost would draft otherwise)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from core.step import StepKind
 from engine.scheduler import Scheduler
 from kv.pages import OutOfPages, PageAllocator
 from kv.prefix import PrefixIndex
+from models.loader import load_model
+from models.mtp import save_mtp_head
 from tests.engine_util import make_config, ragged_prompts, running, token_ids
+from tests.tiny import random_mtp_head
 
 PAGE = 4
 
@@ -147,10 +151,32 @@ def conversations(vocab: int = 300) -> list[list[int]]:
 
 
 async def serial(engine, prompts, params):
-    return [token_ids(await engine.generate(p, params)) for p in prompts]
+    """Each prompt's tokens and its drafts' counts (drafted, accepted), one after another."""
+    outs = []
+    for prompt in prompts:
+        deltas = await engine.generate(prompt, params)
+        usage = deltas[-1].usage
+        outs.append((token_ids(deltas), usage.draft_tokens, usage.accepted_tokens))
+    return outs
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "draft"])
+@pytest.fixture(scope="module")
+def mtp_head(tiny_target, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("prefix_mtp")
+    save_mtp_head(random_mtp_head(load_model(tiny_target)), directory)
+    return directory
+
+
+DRAFTERS = {  # name: (method, the drafter's directory (None: tiny_draft), SpecConfig fields)
+    "none": ("none", None, {}),
+    "ngram": ("ngram", None, {}),
+    "draft": ("draft", None, {}),
+    "mtp": ("mtp", "mtp", {}),
+    "mtp-tree": ("mtp", "mtp", {"tree": "fixed"}),
+}
+
+
+@pytest.mark.parametrize("method", list(DRAFTERS))
 @pytest.mark.parametrize(
     "params",
     [
@@ -160,23 +186,42 @@ async def serial(engine, prompts, params):
     ],
 )
 def test_output_with_cache_hits_equals_output_without_the_cache(
-    tiny_target, tiny_draft, method, params
+    tiny_target, tiny_draft, mtp_head, method, params
 ):
+    kind, head, fields = DRAFTERS[method]
+    draft = mtp_head if head else tiny_draft
+
     async def run(cache: bool):
-        config = make_config(tiny_target, method, tiny_draft, batch_invariant=True)
+        config = make_config(tiny_target, kind, draft, batch_invariant=True, spec_kw=fields or None)
         config = dataclasses.replace(config, kv=dataclasses.replace(config.kv, prefix_cache=cache))
         async with running(config) as engine:
+            drafted = spy_on_drafts(engine)
             prompts = conversations()
             outs = await serial(engine, prompts, params)
             # a second turn: the first turn's prompt and answer, and more
-            turn = prompts[0] + outs[0] + [1, 2, 3]
-            outs.append(token_ids(await engine.generate(turn, params)))
+            outs += await serial(engine, [prompts[0] + outs[0][0] + [1, 2, 3]], params)
             await engine.wait_idle()
             assert engine.allocator.num_free == engine.allocator.num_pages
             prefixes = engine.allocator.prefixes
-            return outs, (prefixes.hit if prefixes else 0)
+            return outs, drafted, (prefixes.hit if prefixes else 0)
 
-    with_cache, hit = asyncio.run(run(True))
-    without, _ = asyncio.run(run(False))
+    with_cache, drafted, hit = asyncio.run(run(True))
+    without, drafted_without, _ = asyncio.run(run(False))
     assert hit > 0
     assert with_cache == without
+    # the very same drafts: what the drafter needs came with the hit
+    assert drafted == drafted_without
+
+
+def spy_on_drafts(engine) -> list:
+    """Every step's draft tokens, as the drafter proposed them."""
+    drafted = []
+    propose = engine.drafter.propose
+
+    def spy(plan, dev):
+        drafts = propose(plan, dev)
+        drafted.append(drafts.tokens.tolist())
+        return drafts
+
+    engine.drafter.propose = spy
+    return drafted
