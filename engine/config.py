@@ -33,7 +33,7 @@ class KVConfig:
     # KV budget (the target's cache and a drafter's, which gets half) when num_pages is 0
     memory_bytes: int = 1 << 30
     # full pages found again by their tokens and every token before (kv/prefix.py), shared
-    # between requests; not yet with an EAGLE head (SpecConfig.caches_prefixes)
+    # between requests
     prefix_cache: bool = True
 
     def __post_init__(self) -> None:
@@ -120,12 +120,6 @@ class SpecConfig:
     def keeps_cache(self) -> bool:
         """Whether the drafter keeps a KV cache of its own (a draft model or a head)."""
         return self.method in ("draft", "eagle", "mtp")
-
-    @property
-    def caches_prefixes(self) -> bool:
-        """Whether a prefix cache hit keeps what the drafter needs: not an EAGLE head's,
-        whose pair at a hit's last position belongs to the token after it."""
-        return self.method != "eagle"
 
     @property
     def one_token_mode(self) -> bool:

@@ -23,15 +23,22 @@ from dataclasses import dataclass
 Key = tuple[int, tuple[int, ...]]  # (the block before's id, 0 for the first; the tokens)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Block:
     id: int
     page: int
+    # the token after the block in the sequence that wrote its page (None: not yet known);
+    # an EAGLE head keeps that token's pair at the block's last slot
+    next_token: int | None = None
 
 
 class PrefixIndex:
-    def __init__(self, page_size: int):
+    def __init__(self, page_size: int, pairs_ahead: bool = False):
+        """`pairs_ahead`: a drafter keeps at a block's last slot something of the token after
+        the block (an EAGLE head's pair: token p's at slot p - 1), so a hit ends where the
+        next token differs from the one the block's page was written with."""
         self.page_size = page_size
+        self.pairs_ahead = pairs_ahead
         self.blocks: dict[Key, Block] = {}
         self.key_of: dict[int, Key] = {}  # page -> its block's key
         self.idle: OrderedDict[int, None] = OrderedDict()  # cached pages no request holds
@@ -40,11 +47,12 @@ class PrefixIndex:
         self.hit = 0  # of them, found cached
 
     def match(self, ids: list[int], max_tokens: int) -> list[int]:
-        """The pages of the longest cached prefix of `ids` of at most `max_tokens` tokens."""
+        """The pages of the longest cached prefix of `ids` of at most `max_tokens` tokens
+        (with `pairs_ahead`, whose every block was written before the token `ids` has next)."""
         ps, parent, pages = self.page_size, 0, []
         for start in range(0, max_tokens - ps + 1, ps):
             block = self.blocks.get((parent, tuple(ids[start : start + ps])))
-            if block is None:
+            if block is None or (self.pairs_ahead and block.next_token != ids[start + ps]):
                 break
             pages.append(block.page)
             parent = block.id
@@ -67,6 +75,8 @@ class PrefixIndex:
                     return
                 block = self.blocks[key] = Block(next(self._ids), page)
                 self.key_of[page] = key
+            if block.page == page and block.next_token is None and len(ids) > (j + 1) * ps:
+                block.next_token = ids[(j + 1) * ps]
             parent = block.id
 
     def holds(self, page: int) -> bool:

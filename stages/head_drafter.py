@@ -91,10 +91,13 @@ class HeadDrafter:
         features = features.masked_fill((dev.positions == 0)[:, None], 0)  # none before t_0
         shift = 1 - self.offset  # a pair sits `shift` positions before its token
         positions = dev.positions - shift  # [T]
-        # EAGLE's token 0 has no pair: its row writes the slot of the chunk's last position,
-        # which the next chunk (or the sampled token's pair) rewrites before anything reads it
+        # EAGLE's token 0 has no pair, and the pair of a prefix-cache hit's first token came
+        # with the hit (on a page other requests may hold): their rows write the slot of the
+        # chunk's last position, which the next chunk (or the sampled token's pair) rewrites
+        # before anything reads it
+        hit = first & torch.isin(dev.token_rows, dev.cached_rows) & (shift == 1)
         slots = meta.kv_slots[seq, positions.clamp(min=0)]
-        slots = torch.where(positions < 0, meta.kv_slots[seq, dev.base[seq]], slots)
+        slots = torch.where((positions < 0) | hit, meta.kv_slots[seq, dev.base[seq]], slots)
         pairs = AttentionMetadata(
             slot_mapping=slots,
             kv_slots=meta.kv_slots,

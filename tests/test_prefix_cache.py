@@ -18,10 +18,11 @@ from core.step import StepKind
 from engine.scheduler import Scheduler
 from kv.pages import OutOfPages, PageAllocator
 from kv.prefix import PrefixIndex
+from models.eagle import save_eagle_head
 from models.loader import load_model
 from models.mtp import save_mtp_head
 from tests.engine_util import make_config, ragged_prompts, running, token_ids
-from tests.tiny import random_mtp_head
+from tests.tiny import random_eagle_head, random_mtp_head
 
 PAGE = 4
 
@@ -38,6 +39,19 @@ def test_a_prompt_finds_the_full_pages_of_its_longest_cached_prefix():
     assert index.match([0, 1, 2, 3, 4, 5, 9, 9, 9], 8) == pages[:1]  # differs in page 2
     assert index.match(list(range(8)), 7) == pages[:1]  # a hit leaves the last token out
     assert index.match([1, 2, 3, 4], 4) == []  # the same tokens at another place
+
+
+def test_with_pairs_ahead_a_hit_ends_where_the_next_token_differs():
+    """An EAGLE head keeps token p's pair at slot p - 1: a block's last slot holds the pair of
+    the token after it in the sequence that wrote the page."""
+    index = PrefixIndex(PAGE, pairs_ahead=True)
+    pages = PageAllocator(8, index).alloc(3)
+    index.insert(list(range(12)), pages)  # the third block's next token is not known yet
+    assert index.match(list(range(9)) + [50], 9) == pages[:2]
+    assert index.match(list(range(8)) + [50, 9], 9) == pages[:1]  # 8 follows the second
+    assert index.match(list(range(13)), 12) == pages[:2]
+    index.insert(list(range(13)), pages)  # now it is
+    assert index.match(list(range(13)), 12) == pages
 
 
 def test_idle_cached_pages_count_as_free_and_are_evicted_least_recently_used():
@@ -145,9 +159,17 @@ PENALIZED = SamplingParams(max_tokens=12, temperature=0, repetition_penalty=3.0,
 
 def conversations(vocab: int = 300) -> list[list[int]]:
     """Prompts sharing prefixes: a base, the base extended (a hit that ends inside a page of
-    the extension), the base again (a hit of every page short of the last token)."""
+    the extension), the base again (a hit of every page short of the last token), the base's
+    first two pages and then other tokens (a hit that ends where the next token differs from
+    the one its pages were written with)."""
     bases = ragged_prompts(3, vocab, seed=3)
-    return [p for b in bases for p in (b + b[:3], b + b[:3] + [5, 6, 7, 8, 9, 10], b + b[:3])]
+    turns = lambda b: (
+        b + b[:3],
+        b + b[:3] + [5, 6, 7, 8, 9, 10],
+        b + b[:3],
+        b[:8] + [b[8] ^ 1] * 3,
+    )
+    return [p for b in bases for p in turns(b)]
 
 
 async def serial(engine, prompts, params):
@@ -161,10 +183,12 @@ async def serial(engine, prompts, params):
 
 
 @pytest.fixture(scope="module")
-def mtp_head(tiny_target, tmp_path_factory):
-    directory = tmp_path_factory.mktemp("prefix_mtp")
-    save_mtp_head(random_mtp_head(load_model(tiny_target)), directory)
-    return directory
+def heads(tiny_target, tmp_path_factory):
+    root = tmp_path_factory.mktemp("prefix_heads")
+    target = load_model(tiny_target)
+    save_mtp_head(random_mtp_head(target), root / "mtp")
+    save_eagle_head(random_eagle_head(target, norms=True), root / "eagle")
+    return root
 
 
 DRAFTERS = {  # name: (method, the drafter's directory (None: tiny_draft), SpecConfig fields)
@@ -173,6 +197,8 @@ DRAFTERS = {  # name: (method, the drafter's directory (None: tiny_draft), SpecC
     "draft": ("draft", None, {}),
     "mtp": ("mtp", "mtp", {}),
     "mtp-tree": ("mtp", "mtp", {"tree": "fixed"}),
+    "eagle": ("eagle", "eagle", {}),
+    "eagle-tree": ("eagle", "eagle", {"tree": "dynamic"}),
 }
 
 
@@ -186,10 +212,10 @@ DRAFTERS = {  # name: (method, the drafter's directory (None: tiny_draft), SpecC
     ],
 )
 def test_output_with_cache_hits_equals_output_without_the_cache(
-    tiny_target, tiny_draft, mtp_head, method, params
+    tiny_target, tiny_draft, heads, method, params
 ):
     kind, head, fields = DRAFTERS[method]
-    draft = mtp_head if head else tiny_draft
+    draft = heads / head if head else tiny_draft
 
     async def run(cache: bool):
         config = make_config(tiny_target, kind, draft, batch_invariant=True, spec_kw=fields or None)
