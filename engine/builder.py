@@ -152,9 +152,10 @@ class Builder:
         lookahead = k + 1 + spec.one_token_mode  # one-token mode: a step the host has not seen
         num_pages = config.kv.num_pages or self._pages_for(model, spec.keeps_cache)
         max_model_len = self._max_model_len(model, num_pages, lookahead)
-        # an EAGLE head keeps token p's pair at slot p - 1, a block's last slot for the next
-        prefixes = PrefixIndex(config.kv.page_size, pairs_ahead=spec.method == "eagle")
-        allocator = PageAllocator(num_pages, prefixes if config.kv.prefix_cache else None)
+        prefixes = None
+        if config.kv.prefix_cache:  # an EAGLE head keeps token p's pair at slot p - 1
+            prefixes = PrefixIndex(config.kv.page_size, pairs_ahead=spec.method == "eagle")
+        allocator = PageAllocator(num_pages, prefixes)
         cache = self.cache_for(model, num_pages)
         history = TokenHistory(config.max_running, max_model_len + 2 * k + 4, self.device)
         drafter = self.drafter(spec, model, cache, attention, num_pages)

@@ -34,12 +34,16 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.lookahead = lookahead  # slots a decode step writes past the committed tokens
         self.max_model_len = max_model_len
-        self.prefixes: PrefixIndex | None = allocator.prefixes  # None: no prefix caching
         self.waiting: deque[Request] = deque()
         self.running: list[Sequence] = []
         self.free_rows = list(range(max_running - 1, -1, -1))
         self.num_preemptions = 0
         self._last_kind = StepKind.DECODE
+
+    @property
+    def prefixes(self) -> PrefixIndex | None:
+        """The prefix cache's index; None: no prefix caching."""
+        return self.allocator.prefixes
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)

@@ -42,16 +42,14 @@ class SuffixTree:
         self.depth = depth
         self.root = Node()
 
-    def add(self, ids: list[int], sign: int = 1) -> None:
-        """Count (sign 1) or uncount (sign -1) the substrings of a whole text."""
+    def remove(self, ids: list[int]) -> None:
+        """Uncount the substrings of a whole text a Cursor added."""
         for start in range(len(ids)):
             node = self.root
             for token in ids[start : start + self.depth]:
-                child = node.children.get(token)
-                if child is None:
-                    child = node.children[token] = Node()
-                child.count += sign
-                if child.count == 0:
+                child = node.children[token]
+                child.count -= 1
+                if child.count == 0:  # its subtree counts this text alone
                     del node.children[token]
                     break
                 node = child
@@ -167,7 +165,7 @@ class SuffixDrafter(NoDrafter):
             self.kept_tokens += len(output)
             while self.kept_tokens > self.max_tokens:
                 oldest = self.kept.popleft()
-                self.outputs.add(oldest, sign=-1)
+                self.outputs.remove(oldest)
                 self.kept_tokens -= len(oldest)
 
 

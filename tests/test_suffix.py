@@ -79,9 +79,9 @@ def test_the_global_tree_counts_the_texts_it_holds_after_removals(seed):
     texts = [[rng.randrange(VOCAB_SMALL) for _ in range(rng.randrange(1, 20))] for _ in range(8)]
     tree = SuffixTree(DEPTH)
     for text in texts:
-        tree.add(text)
+        Cursor(tree).extend(text)
     for text in texts[:3]:
-        tree.add(text, sign=-1)
+        tree.remove(text)
     kept = texts[3:]
     for s in substrings(texts, DEPTH):
         node = tree.find(list(s))
