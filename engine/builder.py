@@ -28,7 +28,7 @@ from kv.pages import PageAllocator
 from kv.prefix import PrefixIndex
 from models.attention import AttentionBackend, InvariantAttention, TorchPagedAttention
 from models.eagle import load_eagle_head
-from models.flashinfer_backend import FlashInferBackend
+from models.flashinfer_backend import FLASHINFER_HEAD_DIMS, FlashInferBackend
 from models.gguf import packaged_smollm2
 from models.linear import held_bytes
 from models.llama import LlamaModel, prepare_for_inference
@@ -141,13 +141,10 @@ class Builder:
     def build(self) -> Built:
         """Everything the engine runs (on the device's thread: model loading, calibration)."""
         config, spec = self.config, self.config.spec
-        if config.batch_invariant:  # the config allows it with the torch backend only
-            attention: AttentionBackend = InvariantAttention
-        else:
-            attention = ATTENTION_BACKENDS[config.backend](self.device)
         model_dir = model_path(config.model)
         model = load_model(model_dir, self.dtype, self.device, cache_dir(), self.shard)
         self.prepare(model)
+        attention = self.attention(model.config.head_dim)
         k = spec.num_draft_tokens if spec.enabled else 0
         lookahead = k + 1 + spec.one_token_mode  # one-token mode: a step the host has not seen
         num_pages = config.kv.num_pages or self._pages_for(model, spec.keeps_cache)
@@ -192,6 +189,22 @@ class Builder:
             cost=cost,
             memory=dict(self.memory),
         )
+
+    def attention(self, head_dim: int) -> AttentionBackend:
+        """The backend every forward runs; FlashInfer's kernels are built for some head sizes
+        only, so `--attention auto` takes torch for the others and `flashinfer` refuses them."""
+        config = self.config
+        if config.batch_invariant:  # the config allows it with the torch backend only
+            return InvariantAttention
+        backend = config.backend
+        if backend == "flashinfer" and head_dim not in FLASHINFER_HEAD_DIMS:
+            if config.attention == "flashinfer":
+                raise ValueError(
+                    f"FlashInfer has no kernels for the model's head size {head_dim}: "
+                    f"{FLASHINFER_HEAD_DIMS} (--attention torch runs any)"
+                )
+            backend = "torch"
+        return ATTENTION_BACKENDS[backend](self.device)
 
     def prepare(self, model: Any, head: bool = False) -> None:
         """A loaded model or head made ready to run (fused, packed; batch-invariant or int8

@@ -230,8 +230,9 @@ class EngineConfig:
 
     @property
     def backend(self) -> str:
-        """The attention backend, auto resolved: FlashInfer on CUDA where it imports."""
+        """The attention backend, auto resolved: FlashInfer on CUDA in a 16-bit dtype where it
+        imports (the builder falls back to torch for a head size it has no kernels for)."""
         if self.attention != "auto":
             return self.attention
-        cuda = self.device.startswith("cuda")
-        return "flashinfer" if cuda and importlib.util.find_spec("flashinfer") else "torch"
+        cuda, half = self.device.startswith("cuda"), self.torch_dtype != "float32"
+        return "flashinfer" if cuda and half and importlib.util.find_spec("flashinfer") else "torch"

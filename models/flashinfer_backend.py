@@ -18,6 +18,7 @@ from core.attention import AttentionMetadata
 from kv.cache import KVCache
 from models.masks import pack_tree_mask
 
+FLASHINFER_HEAD_DIMS = (64, 128, 256)  # the head sizes its prefill kernels are built for
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace per wrapper
 
 
@@ -47,7 +48,9 @@ class FlashInferPlanner:
         self.device = torch.device(device)
         self.wrappers = [
             flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device), "NHD"
+                torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device),
+                "NHD",
+                backend="fa2",  # the engine's custom masks run on FA2 (FA3 takes none)
             )
             for _ in range(2)
         ]

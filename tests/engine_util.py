@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import json
 import random
+import time
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -109,3 +111,56 @@ def heldout(n: int) -> list[list[int]]:
     tokenizer = Tokenizer(DEMO_DIR / "target")
     texts = [p["text"] for p in json.loads(HELDOUT.read_text())[:n]]
     return [tokenizer.encode(t) for t in texts]
+
+
+# Drafters of a tiny target, for tests across dtypes and devices. name: (method, the
+# drafter's key in write_drafters' dict, k, more SpecConfig fields)
+DRAFTERS = {
+    "draft": ("draft", "target", 3, {}),  # the target drafting for itself: drafts accepted
+    "ngram": ("ngram", None, 3, {}),
+    "eagle": ("eagle", "eagle", 3, {}),
+    "eagle-tree": ("eagle", "eagle", 3, {"tree": "dynamic"}),
+    "mtp-k": ("mtp", "mtp", 3, {}),
+    "mtp-1": ("mtp", "mtp", 1, {}),
+}
+# a logit gap float32 may lose in the dtype's rounding through a tiny model's two layers (and
+# in float32 on another device, its kernels' order of summation)
+ROUNDING = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.03}
+
+
+def write_drafters(target: Path, root: Path) -> dict[str, Path]:
+    """Random EAGLE and MTP heads of the target's shapes, saved under root."""
+    from models.eagle import save_eagle_head
+    from models.loader import load_model
+    from models.mtp import save_mtp_head
+    from tests.tiny import random_eagle_head, random_mtp_head
+
+    model = load_model(target)
+    save_eagle_head(random_eagle_head(model, norms=True), root / "eagle")
+    save_mtp_head(random_mtp_head(model, seed=7), root / "mtp")
+    return {"target": target, "eagle": root / "eagle", "mtp": root / "mtp"}
+
+
+def assert_departs_only_at_near_ties(
+    exact: list[list[Delta]], theirs: list[list[int]], gap: float
+) -> None:
+    """Each output equals float32's (`exact`, generated with logprobs=2) up to a first
+    departure, where float32's top two logits were within `gap`."""
+    for deltas, out in zip(exact, theirs, strict=True):
+        ours = token_ids(deltas)
+        assert len(out) == len(ours)
+        first = next((i for i, (x, y) in enumerate(zip(ours, out, strict=True)) if x != y), None)
+        if first is not None:
+            top = [lp for d in deltas for lp in d.logprobs][first].top
+            assert top[0][1] - top[1][1] < gap, (first, top)
+
+
+def wait_healthy(port: int, seconds: float) -> None:
+    """Until the server on `port` answers /health."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"no healthy server on port {port} within {seconds:g} s")

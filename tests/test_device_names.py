@@ -8,8 +8,11 @@ import pytest
 import torch
 
 import server
+from engine.builder import Builder
 from engine.config import EngineConfig
 from engine.device import _Worker
+from models.attention import TorchPagedAttention
+from models.flashinfer_backend import FlashInferBackend
 
 
 @pytest.mark.parametrize("name, index", [("cuda", 0), ("cuda:0", 0), ("cuda:1", 1)])
@@ -45,27 +48,49 @@ def test_a_cuda_device_without_cuda_is_a_usage_error(capsys, name):
     assert "no CUDA device" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(
-    "device, flashinfer, dtype, backend",
-    [
-        ("cpu", True, "float32", "torch"),
-        ("cuda", True, "bfloat16", "flashinfer"),
-        ("cuda:0", False, "bfloat16", "torch"),
-    ],
-)
-def test_auto_dtype_and_attention_follow_the_device(
-    monkeypatch, device, flashinfer, dtype, backend
-):
+def pretend_flashinfer(monkeypatch, present: bool) -> None:
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util,
         "find_spec",
-        lambda name, *a: (object() if flashinfer else None) if name == "flashinfer" else real(name),
+        lambda name, *a: (object() if present else None) if name == "flashinfer" else real(name),
     )
-    config = EngineConfig(device=device)
-    assert (config.torch_dtype, config.backend) == (dtype, backend)
+
+
+@pytest.mark.parametrize(
+    "device, flashinfer, dtype, want_dtype, backend",
+    [
+        ("cpu", True, "auto", "float32", "torch"),
+        ("cuda", True, "auto", "bfloat16", "flashinfer"),
+        ("cuda:0", False, "auto", "bfloat16", "torch"),
+        ("cuda", True, "float32", "float32", "torch"),  # FlashInfer has no float32 kernels
+    ],
+)
+def test_auto_dtype_and_attention_follow_the_device(
+    monkeypatch, device, flashinfer, dtype, want_dtype, backend
+):
+    pretend_flashinfer(monkeypatch, flashinfer)
+    config = EngineConfig(device=device, dtype=dtype)
+    assert (config.torch_dtype, config.backend) == (want_dtype, backend)
+
+
+@pytest.mark.parametrize("attention", ["auto", "flashinfer"])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_flashinfer_serves_the_head_sizes_it_has_kernels_for(monkeypatch, attention, head_dim):
+    """auto takes torch for another head size; flashinfer refuses it at start."""
+    pretend_flashinfer(monkeypatch, True)
+    builder = Builder(EngineConfig(device="cuda", attention=attention))
+    if head_dim == 16 and attention == "flashinfer":
+        with pytest.raises(ValueError, match="no kernels for the model's head size 16"):
+            builder.attention(head_dim)
+        return
+    backend = builder.attention(head_dim)
+    if head_dim == 64:
+        assert isinstance(backend, FlashInferBackend)
+    else:
+        assert backend is TorchPagedAttention
 
 
 @pytest.mark.parametrize(

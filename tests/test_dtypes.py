@@ -7,33 +7,23 @@ from __future__ import annotations
 import pytest
 
 from engine.request import SamplingParams
-from models.eagle import save_eagle_head
-from models.loader import load_model
-from models.mtp import save_mtp_head
-from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
-from tests.tiny import random_eagle_head, random_mtp_head
+from tests.engine_util import (
+    DRAFTERS,
+    ROUNDING,
+    assert_departs_only_at_near_ties,
+    make_config,
+    ragged_prompts,
+    running,
+    staggered,
+    write_drafters,
+)
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-# name: (method, the drafter's directory in `drafters`, k, more SpecConfig fields)
-DRAFTERS = {
-    "draft": ("draft", "target", 3, {}),  # the target drafting for itself: drafts accepted
-    "ngram": ("ngram", None, 3, {}),
-    "eagle": ("eagle", "eagle", 3, {}),
-    "eagle-tree": ("eagle", "eagle", 3, {"tree": "dynamic"}),
-    "mtp-k": ("mtp", "mtp", 3, {}),
-    "mtp-1": ("mtp", "mtp", 1, {}),
-}
-# a logit gap float32 may lose in the dtype's rounding through the tiny model's two layers
-ROUNDING = {"bfloat16": 0.25, "float16": 0.03}
 
 
 @pytest.fixture(scope="module")
 def drafters(tiny_target, tmp_path_factory):
-    root = tmp_path_factory.mktemp("heads")
-    model = load_model(tiny_target)
-    save_eagle_head(random_eagle_head(model, norms=True), root / "eagle")
-    save_mtp_head(random_mtp_head(model, seed=7), root / "mtp")
-    return {"target": tiny_target, "eagle": root / "eagle", "mtp": root / "mtp"}
+    return write_drafters(tiny_target, tmp_path_factory.mktemp("heads"))
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +56,4 @@ async def test_the_dtype_departs_from_float32_only_at_near_ties(tiny_target, pro
     async with running(make_config(tiny_target)) as engine:
         exact = [await engine.generate(p, params) for p in prompts]
     rounded = await generate(tiny_target, prompts, dtype)
-    assert all(len(out) == GREEDY.max_tokens for out in rounded)
-    for deltas, theirs in zip(exact, rounded, strict=True):
-        ours = token_ids(deltas)
-        first = next((i for i, (x, y) in enumerate(zip(ours, theirs, strict=True)) if x != y), None)
-        if first is not None:
-            top = [lp for d in deltas for lp in d.logprobs][first].top
-            assert top[0][1] - top[1][1] < ROUNDING[dtype], (first, top)
+    assert_departs_only_at_near_ties(exact, rounded, ROUNDING[dtype])

@@ -58,11 +58,17 @@ def test_a_sequence_moves_by_its_unknown_acceptance():
 
 @pytest.mark.parametrize("batch, width, seed", [(1, 2, 0), (7, 2, 1), (16, 5, 2), (33, 9, 3)])
 def test_triton_kernel_equals_torch(monkeypatch, batch, width, seed):
+    """Compiled on CUDA (tests/gpu/check.sh), interpreted on a CPU."""
     pytest.importorskip("triton", reason="the test environment installs triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # before the kernel is built (on first use)
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # before the kernel is built (on first use)
     from stages.insert import insert_triton
 
     s, accepted, history = layout(batch, width, rows=40, seed=seed)
+    if cuda:
+        s = StepLayout(**{f.name: getattr(s, f.name).cuda() for f in dataclasses.fields(s)})
+        accepted, history = accepted.cuda(), history.cuda()
     want = copy(s)
     want_tokens = insert_torch(want, accepted, history)
     got_tokens = insert_triton(s, accepted, history)

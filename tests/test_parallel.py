@@ -38,6 +38,7 @@ from tests.engine_util import (
     sequence,
     staggered,
     token_ids,
+    wait_healthy,
 )
 from tests.stats import PARAMS, PROMPT, N, assert_law, exact_joint
 from tests.tiny import (
@@ -311,17 +312,6 @@ def children(pid: int) -> list[int]:
             if int(fields[1]) == pid and b"spawn_main" in cmdline:
                 found.append(int(stat.parent.name))
     return found
-
-
-def wait_healthy(port: int, seconds: float) -> None:
-    """Until the server on `port` answers /health."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                return
-        time.sleep(0.2)
-    raise AssertionError(f"no healthy server on port {port} within {seconds:g} s")
 
 
 @pytest.mark.timeout(120)

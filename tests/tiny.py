@@ -60,9 +60,10 @@ def write_model(
     vocab_size: int = 320,
     max_len: int = 512,
     model_vocab: int | None = None,
+    head_dim: int = 16,
 ) -> Path:
     """A random model with a large init scale, so that top-2 logit gaps are wide and greedy
-    decoding does not depend on rounding; plus the tokenizer."""
+    decoding does not depend on rounding; plus the tokenizer. FlashInfer runs head_dim 64."""
     vocab = model_vocab or write_tokenizer(directory, vocab_size)
     if model_vocab:
         write_tokenizer(directory, vocab_size)
@@ -71,8 +72,9 @@ def write_model(
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_layers=layers,
-        num_heads=max(2, hidden // 16),
-        num_kv_heads=max(1, hidden // 32),
+        num_heads=max(2, hidden // head_dim),
+        num_kv_heads=max(1, hidden // head_dim // 2),
+        head_dim=head_dim,
         max_position_embeddings=max_len,
         eos_token_id=0,
         bos_token_id=0,

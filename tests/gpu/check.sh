@@ -1,7 +1,96 @@
 #!/usr/bin/env bash
-# On an accelerator machine: install the CUDA extra and run every gpu-marked test (< 6 min).
-set -euo pipefail
+# The GPU check, for a machine with CUDA, torch and Triton but no package registry (README,
+# "The GPU check"). It installs only the wheels it carries (.gpu/wheels.tar.xz, made by
+# tests/gpu/wheels.py) and runs each step under its own timeout, in about 5 minutes:
+#   env         the machine, the image's packages (tests/gpu/image.txt), the carried wheels
+#               resolved offline against them (pip --dry-run --no-index), then installed
+#   triton      the Triton insert kernel, compiled, against the torch one
+#   compile     FlashInfer's JIT compile of the engine's kernels, timed
+#   flashinfer  its prefill with a causal and a tree mask against the torch backend (SDPA)
+#   engine      tiny models in float32 and bfloat16 on cuda and cuda:0, every drafter
+#   no-sync     MTP's one-token mode: no device stage of a decode step synchronises
+#   server      one request to server.py
+#   steps       decode and verify forwards of a SmolLM2-shaped model, bfloat16, batch 1 and 16
+# --dry-run runs on the CPU every step that has a CPU form (tiny models, the Triton kernel
+# interpreted, FlashInfer's metadata, the fake device's sync guard) and names those it skips.
+# Where $OUT is set, the log and image.txt are written there too.
+set -uo pipefail
 cd "$(dirname "$0")/../.."
-python3 -m venv .venv-gpu
-.venv-gpu/bin/pip install --quiet torch -e ".[dev,cuda]"
-timeout 360 .venv-gpu/bin/python -m pytest -q -m gpu tests
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
+OUT=${OUT:-}
+LOG=${OUT:+$OUT/check.log}
+PY=${PYTHON:-python3}
+[ $DRY = 1 ] && [ -x .venv/bin/python ] && PY=${PYTHON:-.venv/bin/python}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+failed=()
+
+say() { echo "$@" | tee -a "${LOG:-/dev/null}"; }
+
+step() {  # step NAME SECONDS COMMAND...: run it, timed, logged
+    local name=$1 limit=$2 start=$SECONDS rc note=""
+    shift 2
+    say "== $name (limit ${limit} s): $*"
+    local cmd="exec $*"  # a program gets timeout's signal itself
+    declare -F "$1" >/dev/null && cmd="$*"
+    timeout -k 10 "$limit" bash -c "$cmd" 2>&1 | tee -a "${LOG:-/dev/null}"
+    rc=${PIPESTATUS[0]}
+    if [ "$rc" = 0 ]; then say "== $name: passed in $((SECONDS - start)) s"; return; fi
+    [ "$rc" = 124 ] && note=", timed out"
+    say "== $name: FAILED (exit $rc$note) after $((SECONDS - start)) s"
+    failed+=("$name")
+}
+
+skip() { say "== $1: skipped on the CPU ($2)"; }
+
+PYTEST="$PY -m pytest -q -p no:cacheprovider"
+
+environment() {
+    nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"
+    $PY -c "import sys, torch; print(sys.version.split()[0], 'torch', torch.__version__,
+'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
+    [ $DRY = 1 ] && return 0
+    [ -n "$OUT" ] && $PY -m pip list --format=freeze > "$OUT/image.txt"
+    local wheels=/tmp/tandem-wheels names resolved=0
+    rm -rf "$wheels" /tmp/tandem-site && mkdir -p "$wheels"
+    $PY -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" \
+        .gpu/wheels.tar.xz "$wheels" || return 1
+    names=$(ls "$wheels" | sed -E 's/-[0-9].*//; s/_/-/g')
+    # the proof: the carried set resolves offline against what the image holds
+    $PY -m pip install --dry-run --no-index --find-links "$wheels" $names || resolved=1
+    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/tandem-site \
+        "$wheels"/*.whl || return 1
+    return $resolved
+}
+
+export DRY PY OUT
+export -f environment
+step env 120 environment
+if [ $DRY = 0 ]; then  # FlashInfer builds for this GPU alone, on every core
+    export PYTHONPATH=/tmp/tandem-site:$PYTHONPATH MAX_JOBS=${MAX_JOBS:-$(nproc)}
+    FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-$($PY -c \
+        "import torch; print('%d.%d' % torch.cuda.get_device_capability())")}
+    export FLASHINFER_CUDA_ARCH_LIST
+fi
+if [ $DRY = 1 ]; then
+    export TANDEM_CHECK_DEVICE=cpu TRITON_INTERPRET=1
+    step triton 120 $PYTEST tests/test_insert.py -k triton
+    skip compile "FlashInfer compiles CUDA kernels"
+    step flashinfer 120 $PYTEST tests/test_masks.py tests/test_attention.py
+    step no-sync 120 $PYTEST tests/test_no_sync.py
+    step engine 300 $PYTEST tests/gpu/test_engine.py
+    step server 180 $PYTEST tests/gpu/test_server.py
+    skip steps "times CUDA forwards"
+else
+    step triton 120 $PYTEST tests/test_insert.py -k triton
+    step no-sync 120 $PYTEST tests/gpu/test_no_sync.py
+    step compile 240 $PY tests/gpu/compile_flashinfer.py
+    step flashinfer 120 $PYTEST tests/gpu/test_flashinfer.py
+    step engine 240 $PYTEST tests/gpu/test_engine.py
+    step server 120 $PYTEST tests/gpu/test_server.py
+    step steps 120 $PY tests/gpu/step_times.py --repeats 20
+fi
+if [ ${#failed[@]} = 0 ]; then say "GPU check passed"; else
+    say "GPU check FAILED: ${failed[*]}"
+    exit 1
+fi

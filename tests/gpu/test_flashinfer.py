@@ -15,10 +15,14 @@ from models.attention import TorchPagedAttention
 from models.masks import pack_tree_mask
 from tests.attention_cases import CASES, NUM_PAGES, Batch
 
-pytestmark = pytest.mark.gpu
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashInfer runs on CUDA only"),
+]
 flashinfer = pytest.importorskip("flashinfer")
 
-LAYERS, HEAD_DIM, DTYPE = 2, 64, torch.float16  # FlashInfer runs 16-bit types, head_dim 64+
+# FlashInfer runs 16-bit types and head_dim 64+; bfloat16, the engine's, compiles one module
+LAYERS, HEAD_DIM, DTYPE = 2, 64, torch.bfloat16
 
 
 def planned(batch: Batch, num_q_heads: int, num_kv_heads: int, planner=None):
@@ -49,7 +53,7 @@ def compare(batch: Batch, ours, theirs, num_q_heads: int, num_kv_heads: int) -> 
         v = torch.randn(kv_shape, generator=gen, device="cuda")
         q, k, v = q.to(DTYPE), k.to(DTYPE), v.to(DTYPE)
         want, got = ours(layer, q, k, v), theirs(layer, q, k, v)
-        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     assert torch.equal(ours.cache.data, theirs.cache.data)
 
 

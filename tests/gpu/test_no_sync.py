@@ -22,7 +22,10 @@ from models.mtp import save_mtp_head
 from tests.engine_util import make_config, ragged_prompts, running, staggered
 from tests.tiny import random_mtp_head, write_model
 
-pytestmark = pytest.mark.gpu
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's sync debug mode is CUDA's"),
+]
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
