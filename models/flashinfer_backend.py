@@ -5,9 +5,13 @@ runs appended to paged keys, `causal=True`. FlashInfer aligns a request's qo_len
 its last qo_len keys, which is our rule (query i sits at position kv_len - qo_len + i and sees
 keys up to it). A tree replaces the causal rule with a packed custom mask (`models.masks`).
 
+The engine's forwards (`FlashInferBackend`) are planned without reading the device: what a
+step's forwards see is settled on the device (the host plans step N+1 before it knows what step
+N accepted), so each forward is planned over its metadata's padded shape, known on the host,
+and the device builds the mask that says which of those keys and queries are real.
+
 `flashinfer` is imported when a planner is built, never when this module is imported: the CPU
-environment does not install it. `FlashInferBackend` is the engine's entry (the attention
-backend protocol); it is not the default until tests/gpu/ proves it through the engine.
+environment does not install it.
 """
 
 from __future__ import annotations
@@ -16,21 +20,25 @@ import torch
 
 from core.attention import AttentionMetadata
 from kv.cache import KVCache
-from models.masks import pack_tree_mask
+from models.masks import pack_padded_mask
 
 FLASHINFER_HEAD_DIMS = (64, 128, 256)  # the head sizes its prefill kernels are built for
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace per wrapper
 
 
 class FlashInferPlanner:
-    """Plans FlashInfer attention for one model (one head shape and dtype), once per step.
+    """Plans FlashInfer attention for one model (one head shape and dtype), once per forward.
 
-    `plan()` runs at plan time on the host: it takes the step's CSR page table as int32 CPU
-    tensors, schedules the work and queues the copies to the device on the current stream.
-    `bind(cache, slot_mapping)` gives the backend that every layer of that step's forward calls.
-    Two wrappers alternate, so planning step N+1 never touches the buffers that step N's kernels
-    may still be reading; step N-1 must have completed by then.
+    `plan()` runs on the host: it takes the forward's CSR page table as int32 CPU tensors (the
+    page indices may be on the device), schedules the work and queues the copies to the device
+    on the current stream. `bind(cache, slot_mapping)` gives the backend that every layer of
+    that forward calls. Plans rotate over `RING` wrappers, so that planning a forward never
+    rewrites the host buffer a queued copy of an earlier plan has yet to read; a wrapper is
+    reused once the copies of its last plan have run (a wait only when the host is RING
+    forwards ahead of the device). Forwards run on one stream, so they share one workspace.
     """
+
+    RING = 8
 
     def __init__(
         self,
@@ -46,14 +54,13 @@ class FlashInferPlanner:
         self.num_q_heads, self.num_kv_heads = num_q_heads, num_kv_heads
         self.head_dim, self.page_size, self.dtype = head_dim, page_size, dtype
         self.device = torch.device(device)
+        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.wrappers = [
-            flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device),
-                "NHD",
-                backend="fa2",  # the engine's custom masks run on FA2 (FA3 takes none)
-            )
-            for _ in range(2)
+            # the engine's custom masks run on FA2 (FA3 takes none)
+            flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
+            for _ in range(self.RING)
         ]
+        self.copied: list[torch.cuda.Event | None] = [None] * self.RING
         self.planned = -1  # index of the wrapper holding the latest plan
 
     def plan(
@@ -64,8 +71,10 @@ class FlashInferPlanner:
         kv_last_page_len: torch.Tensor,  # [B] int32, 1..page_size
         tree_mask: tuple[torch.Tensor, torch.Tensor] | None = None,  # pack_tree_mask(...)
     ) -> None:
-        self.planned = (self.planned + 1) % 2
-        wrapper = self.wrappers[self.planned]
+        self.planned = (self.planned + 1) % self.RING
+        wrapper, copied = self.wrappers[self.planned], self.copied[self.planned]
+        if copied is not None and not copied.query():
+            copied.synchronize()
         packed = None if tree_mask is None else tree_mask[0]
         wrapper.plan(
             qo_indptr,
@@ -87,21 +96,31 @@ class FlashInferPlanner:
             # while its kernel reads them as bytes (flashinfer-ai/flashinfer#2201); hand it the
             # byte offsets of our per-request segments.
             wrapper._mask_indptr_buf = tree_mask[1].to(self.device, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self.copied[self.planned] = copied
 
-    def bind(self, cache: KVCache, slot_mapping: torch.Tensor) -> FlashInferAttention:
-        """The backend of the latest plan over `cache`; slot_mapping [T] on the device."""
+    def bind(
+        self, cache: KVCache, slot_mapping: torch.Tensor, q_index: torch.Tensor | None = None
+    ) -> FlashInferAttention:
+        """The backend of the latest plan over `cache`; slot_mapping [T] on the device;
+        q_index [T]: each token's query in a plan of padded query runs (None: unpadded)."""
         if self.planned < 0:
             raise RuntimeError("plan() must run before bind()")
-        return FlashInferAttention(self.wrappers[self.planned], cache, slot_mapping)
+        return FlashInferAttention(self.wrappers[self.planned], cache, slot_mapping, q_index)
 
 
 class FlashInferAttention:
     """Same contract as TorchPagedAttention: writes the new K/V, then attends over the pages."""
 
-    def __init__(self, wrapper, cache: KVCache, slot_mapping: torch.Tensor):
+    def __init__(
+        self, wrapper, cache: KVCache, slot_mapping: torch.Tensor, q_index: torch.Tensor | None
+    ):
         self.wrapper = wrapper
         self.cache = cache
         self.write_rows = cache.key_rows(slot_mapping.long())  # [T]
+        self.q_index = q_index
+        self.padded = wrapper._qo_indptr_last  # queries in the plan
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -111,19 +130,24 @@ class FlashInferAttention:
         store = self.cache.layer_rows(layer)  # [pages * 2 * page_size, Hkv, D]
         store[self.write_rows] = k.to(store.dtype)
         store[self.write_rows + self.cache.page_size] = v.to(store.dtype)
-        # q is a view into the rotated q|k rows (models/llama.py); the kernel reads dense rows
-        return self.wrapper.run(q.contiguous(), self.cache.data[layer])  # [T, Hq, D]
+        if self.q_index is None:
+            # q is a view into the rotated q|k rows (models/llama.py); the kernel reads dense rows
+            return self.wrapper.run(q.contiguous(), self.cache.data[layer])  # [T, Hq, D]
+        runs = q.new_zeros(self.padded, *q.shape[1:])  # padding queries see key 0 (zeros)
+        runs[self.q_index] = q
+        return self.wrapper.run(runs, self.cache.data[layer])[self.q_index]
 
 
 class FlashInferBackend:
     """The AttentionBackend protocol over FlashInfer (`--attention flashinfer`, CUDA only).
 
-    Each forward is planned from its own metadata: the pages from `kv_slots` and `kv_lens`,
-    and what each query sees as a custom mask (`meta.visible()`), which holds for every
-    forward the engine runs, including drafter forwards whose queries sit before the step's
-    last keys (FlashInfer's causal alignment would not). Planning reads the metadata on the
-    host: a device sync per forward, which planning at plan time (from the step's CSR,
-    `FlashInferPlanner.plan`) would remove.
+    A forward is planned over its metadata's padded shape, every sequence `max_q` queries over
+    `Lmax` keys (the torch backend's layout), which the host knows without reading the device:
+    each row's pages are the first slots of its key pages (slot 0's page past its keys), and
+    what each query sees is a custom mask packed on the device (`meta.visible()`), which holds
+    for every forward the engine runs, drafter forwards whose queries sit before the step's
+    last keys included (FlashInfer's causal alignment would not). Keys past a row's own are
+    read and masked: the cache starts zeroed, so they are finite.
     """
 
     def __init__(self) -> None:
@@ -140,21 +164,16 @@ class FlashInferBackend:
                 num_q_heads, cache.num_kv_heads, cache.head_dim, ps, dtype, device
             )
             self.planners[key] = planner
-        kv_lens = meta.kv_lens.cpu()
-        q_lens = torch.bincount(meta.q_index.cpu() // meta.max_q, minlength=kv_lens.numel())
-        num_pages = (kv_lens + ps - 1) // ps
-        first_slots = meta.kv_slots[:, ::ps].cpu()  # [B, pages] each page's first slot
-        pages = [first_slots[b, :n] // ps for b, n in enumerate(num_pages.tolist())]
-        visible = meta.visible()  # [B, Qmax, Lmax]
-        lens = zip(q_lens.tolist(), kv_lens.tolist(), strict=True)
-        masks = [visible[b, :q, :n].cpu() for b, (q, n) in enumerate(lens)]
-        int32 = torch.int32
-        zero = torch.zeros(1, dtype=int32)
+        rows, max_q, max_kv = meta.num_seqs, meta.max_q, meta.kv_slots.shape[1]
+        pages = -(-max_kv // ps)  # each row's, the last holding max_kv - (pages - 1) * ps keys
+        every = torch.arange(rows + 1, dtype=torch.int32)
+        last_page_len = torch.full((rows,), max_kv - (pages - 1) * ps, dtype=torch.int32)
         planner.plan(
-            torch.cat([zero, q_lens.cumsum(0).to(int32)]),
-            torch.cat([zero, num_pages.cumsum(0).to(int32)]),
-            torch.cat(pages).to(int32),
-            (kv_lens - (num_pages - 1) * ps).to(int32),
-            pack_tree_mask(masks),
+            every * max_q,
+            every * pages,
+            (meta.kv_slots[:, ::ps] // ps).to(torch.int32).reshape(-1),  # [B * pages]
+            last_page_len,
+            pack_padded_mask(meta.visible()),
         )
-        return planner.bind(cache, meta.slot_mapping)
+        padded = meta.q_index.numel() != rows * max_q
+        return planner.bind(cache, meta.slot_mapping, meta.q_index if padded else None)

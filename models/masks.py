@@ -32,3 +32,15 @@ def pack_tree_mask(masks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
     shifts = torch.arange(8, dtype=torch.int32, device=device)
     packed = (bits << shifts).sum(dim=1).to(torch.uint8)  # [total bytes]
     return packed, indptr
+
+
+def pack_padded_mask(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack_tree_mask` of every row of visible [B, Q, L] bool, on its device, without reading
+    it: the segments are all Q * L bits, so their offsets come from the shape alone (on the
+    host, int32)."""
+    rows, q, keys = visible.shape
+    bits = F.pad(visible.reshape(rows, q * keys).to(torch.uint8), (0, -(q * keys) % 8))
+    shifts = torch.arange(8, dtype=torch.uint8, device=visible.device)
+    packed = (bits.view(rows, -1, 8) << shifts).sum(dim=2, dtype=torch.uint8).reshape(-1)
+    indptr = torch.arange(rows + 1, dtype=torch.int32) * (bits.shape[1] // 8)
+    return packed, indptr

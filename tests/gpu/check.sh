@@ -76,7 +76,8 @@ if [ $DRY = 1 ]; then
     export TANDEM_CHECK_DEVICE=cpu TRITON_INTERPRET=1
     step triton 120 $PYTEST tests/test_insert.py -k triton
     skip compile "FlashInfer compiles CUDA kernels"
-    step flashinfer 120 $PYTEST tests/test_masks.py tests/test_attention.py
+    step flashinfer 120 $PYTEST tests/test_masks.py tests/test_attention.py \
+        tests/test_flashinfer_plan.py
     step no-sync 120 $PYTEST tests/test_no_sync.py
     step engine 300 $PYTEST tests/gpu/test_engine.py
     step server 180 $PYTEST tests/gpu/test_server.py

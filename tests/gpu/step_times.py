@@ -1,12 +1,12 @@
 """Decode and verify forwards of a SmolLM2-135M-shaped model on CUDA, by attention backend.
 
-    python tests/gpu/step_times.py [--dtype bfloat16] [--batches 1 16] [--context 512]
+    python tests/gpu/step_times.py [--dtype bfloat16] [--batches 1 16] [--contexts 512 4096]
 
 Random weights of SmolLM2-135M-Instruct's shapes (the GGUF does not travel to a GPU machine;
 a forward's time does not depend on the weights' values). A decode is one row per sequence, a
 verify k + 1 = 5; each over `context` tokens already cached. Timed with the device
 synchronised around each forward (median of `--repeats`), the logits of every row included.
-FlashInfer's time includes its planning, which the engine does per forward today.
+FlashInfer's time includes its planning, which the engine does for every forward.
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ def backends() -> dict:
     return {"torch": TorchPagedAttention, "flashinfer": FlashInferBackend()}
 
 
-def forward_call(model, cache, backend, batch: int, context: int, rows: int):
+def forward_call(model, cache, backend, batch: int, context: int, rows: int, pages: int):
     """A forward of `rows` new tokens for each of `batch` sequences after `context` cached."""
     device = cache.data.device
-    tables = [PageTable(PAGE_SIZE, list(range(b * 64, b * 64 + 64))) for b in range(batch)]
+    tables = [PageTable(PAGE_SIZE, list(range(b * pages, (b + 1) * pages))) for b in range(batch)]
     end = context + rows
     csr = build_csr(tables, [end] * batch, [rows] * batch)
     positions = torch.arange(context, end, device=device).repeat(batch)
@@ -86,7 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     dtype, device = getattr(torch, args.dtype), torch.device("cuda")
@@ -94,19 +94,21 @@ def main() -> None:
     with torch.inference_mode():
         model = LlamaModel(SMOLLM2).to(device, dtype)
         prepare_for_inference(model)
-        num_pages = max(args.batches) * 64  # 1,024 slots a sequence
+        pages = -(-(max(args.contexts) + 5) // PAGE_SIZE)  # a sequence's
         cfg = SMOLLM2
-        cache = KVCache(cfg.num_layers, num_pages, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim,
-                        dtype, device)  # fmt: skip
+        cache = KVCache(cfg.num_layers, max(args.batches) * pages, PAGE_SIZE, cfg.num_kv_heads,
+                        cfg.head_dim, dtype, device)  # fmt: skip
         cache.data.normal_()
-        print(f"| {torch.cuda.get_device_name()} {args.dtype}, context {args.context} | "
-              "batch | decode ms | verify (5 rows) ms |")  # fmt: skip
-        print("|---|---|---|---|")
+        print(f"| {torch.cuda.get_device_name()}, {args.dtype} | context | batch | decode ms | "
+              "verify (5 rows) ms |")  # fmt: skip
+        print("|---|---|---|---|---|")
         for name, backend in backends().items():
-            for batch in args.batches:
-                ms = [timed_ms(forward_call(model, cache, backend, batch, args.context, rows),
-                               args.repeats) for rows in (1, 5)]  # fmt: skip
-                print(f"| {name} | {batch} | {ms[0]:.2f} | {ms[1]:.2f} |", flush=True)
+            for context in args.contexts:
+                for batch in args.batches:
+                    ms = [timed_ms(forward_call(model, cache, backend, batch, context, rows, pages),
+                                   args.repeats) for rows in (1, 5)]  # fmt: skip
+                    print(f"| {name} | {context} | {batch} | {ms[0]:.2f} | {ms[1]:.2f} |",
+                          flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""MTP's one-token mode on CUDA: no device stage of a decode step synchronises with the host.
+"""MTP's one-token mode on CUDA, with torch's attention and FlashInfer's: no device stage of a
+decode step synchronises with the host.
 
 Run on an accelerator with tests/gpu/check.sh; skipped on a CPU. While a decode step's draft,
 verify, sample or refill runs, torch's sync debug mode turns any synchronising call into an
@@ -59,14 +60,18 @@ def sync_is_an_error(monkeypatch):
     monkeypatch.setattr(Outcome, "of", classmethod(guarded_download))
 
 
-async def test_one_token_mode_never_syncs_on_cuda(tmp_path, sync_is_an_error):
-    target_dir = write_model(tmp_path / "t", seed=0)
+@pytest.mark.parametrize("attention", ["torch", "flashinfer"])
+async def test_one_token_mode_never_syncs_on_cuda(tmp_path, sync_is_an_error, attention):
+    if attention == "flashinfer":
+        pytest.importorskip("flashinfer")
+    target_dir = write_model(tmp_path / "t", hidden=128, head_dim=64, seed=0)
     save_mtp_head(random_mtp_head(load_model(target_dir), seed=7), tmp_path / "h")
     prompts = ragged_prompts(8, 300, seed=11)
-    plain_config = make_config(target_dir, device="cuda")
+    plain_config = make_config(target_dir, device="cuda", attention=attention)
     async with running(plain_config) as engine:
         expected = await staggered(engine, prompts, GREEDY)
-    config = make_config(target_dir, "mtp", tmp_path / "h", k=1, device="cuda")
+    config = make_config(target_dir, "mtp", tmp_path / "h", k=1, device="cuda",
+                         attention=attention)  # fmt: skip
     async with running(config) as engine:
         outs = await staggered(engine, prompts, GREEDY, seed=5)
     assert outs == expected  # a sync would have failed its step's requests
