@@ -225,6 +225,7 @@ COMMON_FIELDS: dict[str, tuple[Check, str]] = {
     ),
     "ignore_eos": (_bool, "a boolean"),
     "num_speculative_tokens": (_in(0, INT32), f"an integer in [0, {INT32}]"),
+    "speculative_method": (_str, "a string: none or a drafter the server loaded"),
     "logit_bias": (
         _logit_bias,
         f"an object of at most {MAX_LOGIT_BIAS_ENTRIES} token ids to numbers in [-100, 100]",
@@ -291,6 +292,7 @@ PASSED_THROUGH = (
     "seed",
     "ignore_eos",
     "num_speculative_tokens",
+    "speculative_method",
 )
 MAX_JSON_DEPTH = 16  # a chat body nests 4 deep; the limit keeps a hostile body's walk short
 

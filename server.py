@@ -43,6 +43,7 @@ from api import (
 )
 from engine.config import (
     ATTENTION_CHOICES,
+    HEADS,
     SPECULATIVE_METHODS,
     TREE_SHAPES,
     EngineConfig,
@@ -461,6 +462,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--tree-nodes": (int, "N", spec.tree_nodes, "dynamic tree: nodes verified a step"),
         "--tree-depth": (int, "D", spec.tree_depth, "dynamic tree: levels drafted"),
         "--tree-topk": (int, "K", spec.tree_topk, "dynamic tree: children per node"),
+        "--hybrid-min-score": (
+            float,
+            "S",
+            spec.hybrid_min_score,
+            "hybrid: suffix drafts where they expect at least S tokens accepted",
+        ),
         "--host": (str, "HOST", server.host, "address to listen on"),
         "--port": (int, "PORT", server.port, "port to listen on; 0: a free one"),
         "--api-key": (str, "KEY", None, "require `Authorization: Bearer KEY` on all but /health"),
@@ -502,8 +509,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SPECULATIVE_METHODS,
         help="how draft tokens are proposed; none: no speculation; ngram: the context's "
         "earlier text; suffix: suffix decoding over the request's context and recent outputs; "
-        "grammar: no model, what a request's grammar implies (default: draft for the demo, "
-        "whose draft model and heads ship with it; ngram for other models)",
+        "grammar: no model, what a request's grammar implies; hybrid: suffix where it "
+        "expects to pay, else --hybrid-head (default: draft for the demo, whose draft model "
+        "and heads ship with it; ngram for other models)",
+    )
+    parser.add_argument(
+        "--hybrid-head",
+        choices=HEADS,
+        default=spec.hybrid_head,
+        help=f"the head --speculative hybrid drafts with (default: {spec.hybrid_head})",
     )
     parser.add_argument(
         "--attention",
@@ -588,6 +602,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, S
             tree_nodes=a.tree_nodes,
             tree_depth=a.tree_depth,
             tree_topk=a.tree_topk,
+            hybrid_head=a.hybrid_head,
+            hybrid_min_score=a.hybrid_min_score,
             adaptive_k=not a.fixed_k,
             calibration=a.calibration,
         )

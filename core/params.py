@@ -54,6 +54,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; n: the chosen token's and the top n
     num_speculative_tokens: int | None = None  # per-request cap on k
+    # per-request drafter, one of the server's (SpecConfig.drafters; "none": no speculation)
+    speculative_method: str | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     grammar: Grammar | None = None  # structured output: what the output must match
 
@@ -73,6 +75,8 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, 0, 20)
         if self.num_speculative_tokens is not None:
             _check_int("num_speculative_tokens", self.num_speculative_tokens, 0, INT32_MAX)
+        if self.speculative_method is not None and not isinstance(self.speculative_method, str):
+            raise InvalidRequest("speculative_method must be a string")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, 0, INT32_MAX)
         for token_id, bias in self.logit_bias:

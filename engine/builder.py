@@ -13,7 +13,7 @@ import logging
 import os
 import platform
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ from stages.history import TokenHistory
 from stages.insert import insert_kernel
 from stages.refill import RefillStage
 from stages.sample import SampleStage
-from stages.suffix import SuffixDrafter
+from stages.suffix import HybridDrafter, SuffixDrafter
 from stages.tree_drafter import DynamicTree, FixedTree, TreeDrafter
 from stages.verify import Verifier
 
@@ -151,7 +151,7 @@ class Builder:
         max_model_len = self._max_model_len(model, num_pages, lookahead)
         prefixes = None
         if config.kv.prefix_cache:  # an EAGLE head keeps token p's pair at slot p - 1
-            prefixes = PrefixIndex(config.kv.page_size, pairs_ahead=spec.method == "eagle")
+            prefixes = PrefixIndex(config.kv.page_size, pairs_ahead=spec.head == "eagle")
         allocator = PageAllocator(num_pages, prefixes)
         cache = self.cache_for(model, num_pages)
         history = TokenHistory(config.max_running, max_model_len + 2 * k + 4, self.device)
@@ -237,12 +237,18 @@ class Builder:
         given: a file in cache_dir() named by what the curves depend on (the target and drafter
         files, the shapes, the device and its threads), so a second start skips measuring."""
         config, spec = self.config, self.config.spec
-        shipped = SHIPPED_HEADS.get(config.model, {}).get(spec.method)
+        shipped = SHIPPED_HEADS.get(config.model, {}).get(spec.head or spec.method)
         drafter = Path(spec.draft) if spec.draft else shipped
         files = [model_dir] + ([drafter] if drafter is not None and drafter.exists() else [])
         key = {
             "files": [(str(f.resolve()), *_file_stamp(f)) for f in files],
-            "spec": [spec.method, spec.num_speculative_tokens, spec.tree, spec.tree_nodes],
+            "spec": [
+                spec.method,
+                spec.head,
+                spec.num_speculative_tokens,
+                spec.tree,
+                spec.tree_nodes,
+            ],  # fmt: skip
             "engine": [config.max_running, config.torch_dtype, config.quantization, config.device],
             "machine": [torch.get_num_threads(), os.cpu_count(), platform.machine()],
         }
@@ -310,6 +316,10 @@ class Builder:
                 )
             cache = self.cache_for(model, num_pages)
             return DraftModelDrafter(model, cache, attention, rows, sampled, aware)
+        if spec.method == "hybrid":
+            model_drafter = self.drafter(replace(spec, method=spec.hybrid_head), target,
+                                         target_cache, attention, num_pages)  # fmt: skip
+            return HybridDrafter(model_drafter, SuffixDrafter(), spec.hybrid_min_score)
         if spec.method in ("eagle", "mtp"):
             head: Head
             if spec.method == "eagle":

@@ -7,7 +7,8 @@ import re
 from dataclasses import dataclass, field
 
 # grammar: no model; a request's drafts are what its grammar implies (structured output)
-SPECULATIVE_METHODS = ("none", "draft", "ngram", "suffix", "eagle", "mtp", "grammar")
+SPECULATIVE_METHODS = ("none", "draft", "ngram", "suffix", "eagle", "mtp", "grammar", "hybrid")
+HEADS = ("eagle", "mtp")
 ATTENTION_BACKENDS = ("torch", "flashinfer")  # engine/builder.py makes them
 ATTENTION_CHOICES = ("auto", *ATTENTION_BACKENDS)  # auto: flashinfer on CUDA where it imports
 DTYPES = ("float32", "bfloat16", "float16")
@@ -73,6 +74,11 @@ class SpecConfig:
     tree_depth: int = 4  # dynamic tree: levels drafted; acceptance rarely runs deeper
     tree_topk: int = 4  # dynamic tree: children per expanded node, nodes expanded per level
     tree_paths: tuple[tuple[int, ...], ...] = FIXED_TREE  # fixed tree: its nodes (8, as above)
+    # hybrid: suffix decoding's draft where it expects at least hybrid_min_score accepted
+    # tokens (stages/suffix.py), else the head's (a chain; its refill runs over every
+    # committed token, whoever drafted it)
+    hybrid_head: str = "eagle"
+    hybrid_min_score: float = 1.0
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -85,12 +91,16 @@ class SpecConfig:
             )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
+        if self.hybrid_head not in HEADS:
+            raise ValueError(f"unknown hybrid head {self.hybrid_head!r}; choose from {HEADS}")
+        if self.hybrid_min_score < 0:
+            raise ValueError("hybrid_min_score must not be negative")
         self._check_tree()
 
     def _check_tree(self) -> None:
         if self.tree not in TREE_SHAPES:
             raise ValueError(f"unknown tree {self.tree!r}; choose from {TREE_SHAPES}")
-        if self.tree != "chain" and self.method not in ("eagle", "mtp"):
+        if self.tree != "chain" and self.method not in HEADS:
             raise ValueError(f"tree drafting ({self.tree}) needs a head: the eagle or mtp method")
         if not 1 <= self.tree_nodes <= 64:
             raise ValueError(f"tree_nodes must be in 1..64, got {self.tree_nodes}")
@@ -117,9 +127,24 @@ class SpecConfig:
         return self.method != "none"
 
     @property
+    def head(self) -> str | None:
+        """The head the method drafts with (eagle or mtp; hybrid's), None for other methods."""
+        if self.method == "hybrid":
+            return self.hybrid_head
+        return self.method if self.method in HEADS else None
+
+    @property
+    def drafters(self) -> tuple[str, ...]:
+        """What a request may ask for as its speculative_method: none, the method, and the
+        hybrid's two halves."""
+        if self.method == "hybrid":
+            return ("none", "hybrid", "suffix", self.hybrid_head)
+        return ("none", self.method) if self.method != "none" else ("none",)
+
+    @property
     def keeps_cache(self) -> bool:
         """Whether the drafter keeps a KV cache of its own (a draft model or a head)."""
-        return self.method in ("draft", "eagle", "mtp")
+        return self.method == "draft" or self.head is not None
 
     @property
     def one_token_mode(self) -> bool:

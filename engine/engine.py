@@ -165,6 +165,12 @@ class AsyncEngine:
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                 f"context length of {self.max_model_len} tokens"
             )
+        drafters = self.config.spec.drafters
+        if params.speculative_method not in (None, *drafters):
+            raise InvalidRequest(
+                f"speculative_method {params.speculative_method!r} is not loaded: choose from "
+                + ", ".join(drafters)
+            )
         # within max_model_len a request fits the KV pool alone (the builder makes it so)
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise Overloaded(f"{len(self.scheduler.waiting)} requests are already waiting")

@@ -79,9 +79,13 @@ class Planner:
         """What the device needs for the batch's step: no state changes but a cache."""
         k = self._draft_length(batch.seqs) if batch.kind == StepKind.DECODE else 0
         drafts = self.drafter.host_drafts(batch.seqs, k) if k else None
-        if drafts is not None:
-            drafts = [self._with_grammar(s, d, k) for s, d in zip(batch.seqs, drafts, strict=True)]
-            k = max(map(len, drafts), default=0)  # no wider a step than its longest drafts
+        if drafts is not None:  # a row of None: the drafter drafts it on the device
+            drafts = [
+                d if d is None else self._with_grammar(s, d, k)
+                for s, d in zip(batch.seqs, drafts, strict=True)
+            ]
+            # no wider a step than its longest drafts
+            k = max((k if d is None else len(d) for d in drafts), default=0)
         return make_plan(
             batch,
             step,

@@ -118,6 +118,8 @@ def probe_head(head: Any, num_tokens: int) -> None:
 class Drafter(Protocol):
     """Proposes draft tokens. Chosen once at start-up; the engine never asks which one it is.
 
+    `host_drafts` proposes on the host at plan time: a row's tokens, None where `propose`
+    drafts it on the device; None for the whole batch where the device drafts every row.
     Device work (`prefill`, `propose`, `refill`) runs on the compute stream, in step order.
     `prefill` sees a prefill step: it writes the drafter's KV for the prompt chunk and defers
     its outputs for the first decode. `propose` drafts from the deferred outputs, so its first
@@ -131,7 +133,7 @@ class Drafter(Protocol):
     # broadcast carries (a draft model); else every rank drafts with its slice of the head
     leader_only: bool
 
-    def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int]] | None: ...
+    def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int] | None] | None: ...
 
     def prefill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None: ...
 
@@ -151,7 +153,7 @@ class NoDrafter:
     target_layers: tuple[int, ...] = ()
     leader_only = False
 
-    def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int]] | None:
+    def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int] | None] | None:
         return None
 
     def prefill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
@@ -182,7 +184,7 @@ class GrammarDrafter(NoDrafter):
     usual spelling of the strings it forces), added at plan time (engine/planner.py,
     stages/grammar.py host_drafts); requests without a grammar decode plainly."""
 
-    def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int]] | None:
+    def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int] | None] | None:
         return [[] for _ in seqs]
 
 
@@ -194,7 +196,7 @@ class NgramDrafter(NoDrafter):
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
 
-    def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int]] | None:
+    def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int] | None] | None:
         return [ngram_lookup(s.request.all_ids, k, self.min_n, self.max_n) for s in seqs]
 
 

@@ -40,7 +40,7 @@ class DraftModelDrafter:
         device = model.norm.weight.device
         self.deferred = torch.zeros(max_rows, vocab, device=device)  # [rows, V]
 
-    def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int]] | None:
+    def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int] | None] | None:
         return None
 
     def prefill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:

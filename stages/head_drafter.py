@@ -63,7 +63,7 @@ class HeadDrafter:
         # the page's only record of it)
         self.page_features = weight.new_zeros(cache.num_pages, h)  # [pages, H]
 
-    def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int]] | None:
+    def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int] | None] | None:
         return None
 
     def probe(self, num_tokens: int) -> None:

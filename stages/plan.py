@@ -49,12 +49,12 @@ def make_plan(
     k: int,
     page_size: int,
     sampling: SamplingTensors,
-    host_drafts: list[list[int]] | None = None,
+    host_drafts: list[list[int] | None] | None = None,
     unknown: list[int] | None = None,
 ) -> Plan:
     """The step's plan: `sampling` holds the batch's parameters; `host_drafts` [B][<= k] come
-    from an n-gram drafter; `unknown` [B] marks decoding sequences whose previous step the
-    host has not seen yet. Changes no state."""
+    from the host (n-gram, suffix; None: a row the device drafts); `unknown` [B] marks
+    decoding sequences whose previous step the host has not seen yet. Changes no state."""
     b = len(batch.seqs)
     if batch.kind == StepKind.PREFILL:
         k, unknown, host_drafts = 0, [0] * b, None
@@ -64,10 +64,13 @@ def make_plan(
         c, base, num_drafts = _decode_columns(batch, k, unknown)
         emits = [True] * b
         if host_drafts is not None:  # no more drafts than proposed
-            num_drafts = [min(n, len(d)) for n, d in zip(num_drafts, host_drafts, strict=True)]
+            num_drafts = [
+                n if d is None else min(n, len(d))
+                for n, d in zip(num_drafts, host_drafts, strict=True)
+            ]
     tables: list = [s.table for s in batch.seqs]  # kv.table.PageTable, seen through core
     csr = build_csr(tables, c.kv_lens, c.q_lens)
-    drafts = host_drafts or [[]] * b
+    drafts = [d or [] for d in host_drafts] if host_drafts else [[]] * b
     fields = {
         "rows": [s.row for s in batch.seqs],
         "input_ids": c.ids,
@@ -169,10 +172,13 @@ def _decode_columns(
 
 def draft_cap(seq: Sequence, k: int) -> int:
     """Draft tokens a decode step may verify for `seq`: at most k, its own
-    num_speculative_tokens, and never past max_tokens (a step emits up to drafts + 1)."""
+    num_speculative_tokens (none where its speculative_method is none), and never past
+    max_tokens (a step emits up to drafts + 1)."""
     params = seq.request.params
     remaining = params.max_tokens - (seq.planned_tokens - len(seq.request.prompt_ids))
     cap = k if params.num_speculative_tokens is None else params.num_speculative_tokens
+    if params.speculative_method == "none":
+        cap = 0
     return max(0, min(k, remaining - 1, cap))
 
 

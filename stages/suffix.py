@@ -18,13 +18,16 @@ suffixes (at most `depth` of them), so a step costs O(depth) per new token.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+import torch
+
 from core.request import Request
-from core.step import Sequence
-from stages.draft import NoDrafter
+from core.step import DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
+from stages.draft import Drafter, NoDrafter
 
 
 class Node:
@@ -125,11 +128,13 @@ class SuffixDrafter(NoDrafter):
         self.kept_tokens = 0
         self.max_tokens = max_tokens  # the global tree's bound on finished output tokens
 
-    def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int]] | None:
+    def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int] | None] | None:
         self._retire()
-        return [self.propose_for(s.request, k) for s in seqs]
+        return [self.propose_for(s.request, k).tokens for s in seqs]
 
-    def propose_for(self, request: Request, k: int) -> list[int]:
+    def propose_for(self, request: Request, k: int) -> Draft:
+        """The request's best draft of at most k tokens (after its tokens so far join the
+        trees)."""
         if request.request_id not in self.running:
             own, shared = Cursor(SuffixTree(self.depth)), Cursor(self.outputs)
             self.running[request.request_id] = request, own, shared
@@ -141,7 +146,7 @@ class SuffixDrafter(NoDrafter):
         # own tree: the context's suffixes are its active nodes (shortest first here)
         mine = self._best(zip(range(1, len(context)), own.active[::-1], strict=False), k)
         theirs = self._best(_matches(self.outputs, context), k)
-        return (mine if mine.score >= theirs.score else theirs).tokens
+        return mine if mine.score >= theirs.score else theirs
 
     def _best(self, matches: Iterable[tuple[int, Node]], k: int) -> Draft:
         """The best-scoring draft below the matches (p, node), shortest first; a tie goes to
@@ -177,3 +182,55 @@ def _matches(tree: SuffixTree, context: list[int]) -> Iterator[tuple[int, Node]]
         if node is None:
             return
         yield p, node
+
+
+class HybridDrafter:
+    """Suffix decoding where it expects to pay, a head (EAGLE or MTP, a chain) elsewhere: per
+    step and per request, the suffix draft when its score (expected tokens accepted) is at
+    least `min_score`, else the head's. A request may choose either half alone
+    (`speculative_method`). The head drafts every row (one batched pass) and the host's drafts
+    replace its own in their rows; its prefill and refill run over every committed token,
+    whoever drafted it, so its state follows the text either way."""
+
+    def __init__(self, head: Drafter, suffix: SuffixDrafter, min_score: float):
+        self.head, self.suffix, self.min_score = head, suffix, min_score
+        self.target_layers = head.target_layers
+        self.leader_only = head.leader_only
+
+    def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int] | None] | None:
+        """Each row's suffix draft, or None where the head drafts."""
+        self.suffix._retire()
+        drafts: list[list[int] | None] = []
+        for seq in seqs:
+            choice = seq.request.params.speculative_method or "hybrid"
+            if choice not in ("hybrid", "suffix"):
+                drafts.append(None)
+                continue
+            draft = self.suffix.propose_for(seq.request, k)
+            use = choice == "suffix" or draft.score >= self.min_score
+            drafts.append(draft.tokens if use else None)
+        return drafts
+
+    def prefill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
+        self.head.prefill(plan, dev, out, verdict)
+
+    def propose(self, plan: Plan, dev: DevicePlan) -> Drafts:
+        """The head's drafts, the host's in the rows that have them (a host draft is a point
+        mass, which a sampled batch's q says row by row)."""
+        firsts = plan.fields["host_drafts"][:: plan.k]  # the host's copy: no device read
+        if all(token >= 0 for token in firsts):  # the suffix drafted every row
+            return Drafts(dev.host_drafts)
+        host = dev.host_drafts[:, :1] >= 0  # [B, 1]: the suffix drafted this row
+        drafts = self.head.propose(plan, dev)
+        tokens = torch.where(host, dev.host_drafts, drafts.tokens)
+        probs = drafts.probs
+        if probs is not None:
+            point = torch.nn.functional.one_hot(tokens.clamp(min=0), probs.shape[-1])
+            probs = torch.where(host[..., None], point.to(probs.dtype), probs)
+        return dataclasses.replace(drafts, tokens=tokens, probs=probs)
+
+    def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
+        return self.head.refill(plan, dev, out, verdict)
+
+    def probe(self, num_tokens: int) -> None:
+        self.head.probe(num_tokens)

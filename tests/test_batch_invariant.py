@@ -32,6 +32,7 @@ DRAFTERS = {
     "eagle-dynamic": ("eagle", "eagle", 3, {"tree": "dynamic"}),
     "mtp-1": ("mtp", "mtp", 1, {}),
     "mtp-k": ("mtp", "mtp", 3, {}),
+    "hybrid": ("hybrid", "eagle", 3, {"hybrid_min_score": 0.5}),
 }
 
 

@@ -46,6 +46,9 @@ DRAFTERS = {
     "eagle-dynamic": [dict(method="eagle", tree="dynamic", tree_nodes=n) for n in (6, 10)],
     "mtp-1": [dict(method="mtp", num_speculative_tokens=1)] * 2,
     "mtp-k": [dict(method="mtp", num_speculative_tokens=k) for k in (2, 3)],
+    "hybrid": [
+        dict(method="hybrid", num_speculative_tokens=k, hybrid_min_score=0.5) for k in (2, 4)
+    ],  # fmt: skip
 }
 
 

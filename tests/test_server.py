@@ -278,7 +278,24 @@ BAD_REQUESTS: list[tuple[str, Any, int, str]] = [
     (CHAT, {"messages": USER, "max_completion_tokens": 0}, 400, "'max_completion_tokens' must"),
     (CHAT, {"messages": USER, "model": "nope"}, 404, "does not exist"),
     ("/v1/nothing", {}, 404, "Not Found"),
+    (C, {"prompt": "a", "speculative_method": 3}, 400, "'speculative_method' must be a string"),
 ]
+
+
+async def test_a_drafter_the_server_did_not_load_is_a_400(tiny_target: Path) -> None:
+    async with served(real_engine(tiny_target)) as url, TandemClient(url) as client:
+        body = {"prompt": "a", "speculative_method": "suffix"}
+        async with client.session.post(url + C, json=body) as response:
+            answer = await response.json()
+        assert response.status == 400
+        assert (
+            "speculative_method 'suffix' is not loaded: choose from none, draft"
+            in (answer["error"]["message"])
+        )
+        reply = await client.complete("b c d e", max_tokens=6, speculative_method="none")
+        assert reply["usage"]["speculative"]["draft_tokens"] == 0
+        reply = await client.complete("b c d e", max_tokens=6, speculative_method="draft")
+        assert reply["usage"]["speculative"]["draft_tokens"] > 0
 
 
 async def test_bad_requests_are_refused_and_the_server_goes_on(engine: Any) -> None:

@@ -1,0 +1,158 @@
+"""--speculative hybrid (suffix decoding where it expects to pay, a head elsewhere) and each
+request's choice of drafter: greedy output equals plain decoding, with preemption and
+requests choosing differently in one batch; the head's state follows the text whoever
+drafted it; sampled output follows the target's law (chi-square)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from engine.request import InvalidRequest, SamplingParams
+from models.eagle import save_eagle_head
+from models.loader import load_model
+from models.mtp import save_mtp_head
+from stages.suffix import HybridDrafter
+from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
+from tests.stats import PARAMS, PROMPT, VOCAB, N, assert_law, exact_joint
+from tests.tiny import random_eagle_head, random_mtp_head, write_model
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_target, tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid")
+    model = load_model(tiny_target)
+    save_eagle_head(random_eagle_head(model, norms=True), root / "eagle")
+    save_mtp_head(random_mtp_head(model, seed=7), root / "mtp")
+    return {"eagle": root / "eagle", "mtp": root / "mtp"}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    # repeats give the suffix trees matches; the rest falls to the head
+    return [p + p[:6] + p[:6] for p in ragged_prompts(12, 300, seed=13)]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_target, prompts):
+    async def plain():
+        async with running(make_config(tiny_target)) as engine:
+            return await staggered(engine, prompts, GREEDY)
+
+    return asyncio.run(plain())
+
+
+def hybrid(target, head_dir, head="eagle", min_score=0.5, **kw):
+    spec = {"hybrid_head": head, "hybrid_min_score": min_score}
+    return make_config(target, "hybrid", head_dir, k=3, spec_kw=spec, **kw)
+
+
+@pytest.mark.parametrize("head", ["eagle", "mtp"])
+@pytest.mark.parametrize("pages", [256, 40])
+async def test_greedy_hybrid_equals_plain(tiny_target, heads, prompts, expected, head, pages):
+    config = hybrid(tiny_target, heads[head], head, pages=pages, max_batch_tokens=64)
+    async with running(config) as engine:
+        assert await staggered(engine, prompts, GREEDY, seed=5) == expected
+        if pages < 100:
+            assert engine.scheduler.num_preemptions > 0
+        await engine.wait_idle()
+        assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+async def test_each_request_drafts_as_it_chose(tiny_target, heads, prompts, expected):
+    """One batch, five choices: each output equals plain decoding; none drafts nothing;
+    suffix alone drafts where its trees match; a drafter the server did not load is refused."""
+    choices = [None, "hybrid", "suffix", "eagle", "none"]
+    config = hybrid(tiny_target, heads["eagle"])
+    async with running(config) as engine:
+        runs = [
+            engine.generate(p, dataclasses.replace(GREEDY, speculative_method=c))
+            for p, c in zip(prompts, choices * 3, strict=False)
+        ]
+        outs = await asyncio.gather(*runs)
+        with pytest.raises(InvalidRequest, match="speculative_method 'draft' is not loaded"):
+            engine.submit([1, 2], SamplingParams(speculative_method="draft"))
+    assert [token_ids(o) for o in outs] == expected[: len(outs)]
+    chose = (choices * 3)[: len(outs)]
+    drafted = {c: [o[-1].usage.draft_tokens for o, x in zip(outs, chose, strict=True) if x == c]
+               for c in choices}  # fmt: skip
+    assert drafted["none"] == [0, 0]
+    assert all(n > 0 for c in ("hybrid", "suffix", "eagle") for n in drafted[c])
+
+
+async def test_a_method_server_takes_its_own_name_and_none(tiny_target):
+    async with running(make_config(tiny_target, "ngram")) as engine:
+        for choice in ("ngram", "none"):
+            params = SamplingParams(max_tokens=4, speculative_method=choice)
+            assert len(token_ids(await engine.generate([5, 6, 5, 6], params))) == 4
+        with pytest.raises(InvalidRequest, match="choose from none, ngram"):
+            engine.submit([1], SamplingParams(speculative_method="suffix"))
+
+
+async def test_the_head_follows_the_text_whoever_drafted_it(tiny_target, heads, monkeypatch):
+    """The head's greedy drafts at a position depend on the text before it alone: the same
+    with the suffix drafting some steps (hybrid) as with the head drafting every step (a
+    step as wide as its suffix draft holds a prefix of them)."""
+    seen: dict[str, dict[int, list[int]]] = {"eagle": {}, "hybrid": {}}
+    suffix_steps = []
+    propose = HybridDrafter.propose
+
+    def watched(self, plan, dev):
+        drafts = self.head.propose(plan, dev)
+        choice = plan.seqs[0].request.params.speculative_method
+        seen[choice][int(dev.base[0])] = drafts.tokens[0].tolist()
+        suffix_steps.append(plan.fields["host_drafts"][0] >= 0)
+        return propose(self, plan, dev)
+
+    monkeypatch.setattr(HybridDrafter, "propose", watched)
+    prompt = [7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8]
+    async with running(hybrid(tiny_target, heads["eagle"], min_score=0.2)) as engine:
+        for choice in seen:
+            await engine.generate(prompt, dataclasses.replace(GREEDY, speculative_method=choice))
+    assert sum(suffix_steps) >= 3
+    common = seen["eagle"].keys() & seen["hybrid"].keys()
+    assert len(common) >= 8
+    for p in common:
+        ours, theirs = seen["hybrid"][p], seen["eagle"][p]
+        assert ours == theirs[: len(ours)], p
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sampled_hybrid_follows_the_target(tmp_path):
+    """Rows of one batch drafting by the suffix (point masses) and by the head (sampled q)."""
+    target = write_model(tmp_path / "t", layers=1, hidden=16, seed=3, scale=1.5, model_vocab=VOCAB)
+    head = random_eagle_head(load_model(target), norms=True, scale=1.5)
+    save_eagle_head(head, tmp_path / "h")
+    config = make_config(target, "hybrid", tmp_path / "h", k=2, pages=3 * N, page_size=4,
+                         max_running=N, max_waiting=N, max_batch_tokens=len(PROMPT) * N,
+                         max_model_len=16, spec_kw={"hybrid_min_score": 0.3})  # fmt: skip
+    choices = ["hybrid", "suffix", "eagle"]
+
+    async def run():
+        async with running(config) as engine:
+            return await asyncio.gather(*(
+                engine.generate(PROMPT, SamplingParams(speculative_method=choices[i % 3],
+                                                       **PARAMS))
+                for i in range(N)
+            ))  # fmt: skip
+
+    outs = asyncio.run(run())
+    suffix = [o[-1].usage.draft_tokens > 0 for o in outs[1::3]]
+    assert sum(suffix) > len(suffix) // 2  # the suffix drafted for most of its requests
+    observed: dict[tuple[int, ...], int] = {}
+    for out in outs:
+        key = tuple(token_ids(out))
+        observed[key] = observed.get(key, 0) + 1
+    assert_law(observed, exact_joint(target), N)
+
+
+def test_hybrid_is_a_chain():
+    from engine.config import SpecConfig
+
+    with pytest.raises(ValueError, match="needs a head"):
+        SpecConfig("hybrid", tree="dynamic")
