@@ -3,7 +3,9 @@ edits whose answer repeats most of the prompt, per drafter.
 
     python -m bench.agentic [--workload chats] [--chats 3] [--turns 5] [--max-tokens 64]
     python -m bench.agentic --workload edits [--methods none ngram suffix] [--rounds 1] [--k 4]
+        [--quantization int8]
     python -m bench.agentic --workload echo [...]
+    python -m bench.agentic --workload edits --llama-server PATH [--k 4]
 
 Chats:
 
@@ -22,6 +24,10 @@ eos honoured. Each method's engine runs in a process of its own (bench/common.py
 EngineProcess) and the methods take each task in turn. Per method: decode tokens/s after the
 first token, its ratio to no speculation, tokens per speculative step, and the share of the
 answers' tokens that sit in a run of 8 tokens found in the prompt (how much the model copied).
+
+With --llama-server, the same tasks go through llama.cpp's server instead (the same GGUF and
+prompt ids, its prompt cache on), once per --spec-type (none, ngram-simple, ngram-mod, each
+draft capped at k), reported from its own timings.
 
 Echo: six tool results (a JSON list of eight records, drawn with a fixed seed) to be repeated
 with one record's status changed; run and reported as the edits are.
@@ -209,7 +215,11 @@ def run_tasks(args: argparse.Namespace) -> list[dict[str, Any]]:
     cells = {
         m: EngineProcess(
             EngineConfig(
-                args.model, SpecConfig(m, num_speculative_tokens=args.k), kv, max_running=1
+                args.model,
+                SpecConfig(m, num_speculative_tokens=args.k),
+                kv,
+                max_running=1,
+                quantization=args.quantization,
             )
         )
         for m in methods
@@ -246,6 +256,64 @@ def run_tasks(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+LLAMA_SPECS = {  # llama.cpp's --spec-type and its flags capping a draft at k tokens
+    "none": [],
+    "ngram-simple": ["--spec-ngram-simple-size-m", "{k}"],
+    "ngram-mod": ["--spec-ngram-mod-n-max", "{k}", "--spec-ngram-mod-n-min", "1"],
+}
+
+
+async def run_llama(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The same tasks through llama-server (the same GGUF; the same prompt ids, from our
+    tokenizer's chat template; greedy, eos honoured, its prompt cache on), one server per
+    --spec-type, a warm-up task first; its own timings give decode tokens/s."""
+    import tempfile
+
+    import aiohttp
+
+    from bench.served import serving
+    from engine.builder import model_path
+    from models.tokenizer import Tokenizer
+
+    gguf = model_path(args.model)
+    tokenizer = Tokenizer(gguf)
+    prompts = edit_prompts() if args.workload == "edits" else echo_prompts()
+    prompt_ids = [tokenizer.encode_chat([{"role": "user", "content": t}]) for t in prompts]
+    log = Path(tempfile.mkdtemp()) / "llama-server.log"
+    rows = []
+    for spec, flags in LLAMA_SPECS.items():
+        command = [str(args.llama_server), "-m", str(gguf), "-t", "2", "-tb", "2", "-np", "1",
+                   "-c", "8192", "--host", "127.0.0.1", "--no-webui", "--spec-type", spec,
+                   *(f.format(k=args.k) for f in flags)]  # fmt: skip
+        totals = dict.fromkeys(("tokens", "seconds", "drafted", "accepted", "copied", "answer"), 0)
+        async with serving(command, log, 120) as url, aiohttp.ClientSession() as session:
+            tasks = [prompt_ids[0]] + prompt_ids * args.rounds
+            for i, ids in enumerate(tasks):
+                body = {"prompt": ids, "n_predict": args.max_tokens, "temperature": 0,
+                        "cache_prompt": True, "return_tokens": True}  # fmt: skip
+                async with session.post(url + "/completion", json=body) as response:
+                    reply = await response.json()
+                if i == 0:  # the warm-up
+                    continue
+                t = reply["timings"]
+                totals["tokens"] += t["predicted_n"]
+                totals["seconds"] += t["predicted_ms"] / 1e3
+                totals["drafted"] += t.get("draft_n", 0)
+                totals["accepted"] += t.get("draft_n_accepted", 0)
+                totals["copied"] += copied(ids, reply["tokens"])
+                totals["answer"] += len(reply["tokens"])
+        drafted = totals["drafted"]
+        row = {
+            "llama.cpp": spec,
+            "tok_s": round(totals["tokens"] / totals["seconds"], 2),
+            "acceptance": round(totals["accepted"] / drafted, 3) if drafted else None,
+            "copied_share": round(totals["copied"] / totals["answer"], 3),
+        }
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def summary(rows: list[dict[str, Any]]) -> str:
     later = [r for r in rows if r["turn"] > 0]
     speedup = statistics.median(r["ttft_plain"] / r["ttft_cached"] for r in later)
@@ -268,11 +336,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=None, help="chats 64, edits 768")
     parser.add_argument("--num-pages", type=int, default=512, help="KV pages of each engine")
     parser.add_argument("--out", type=Path, default=None, help="write the rows here (JSON)")
+    parser.add_argument(
+        "--llama-server", type=Path, help="edits, echo: run the tasks through this llama-server"
+    )
+    parser.add_argument("--quantization", choices=["int8"], help="edits, echo: int8 linears")
     args = parser.parse_args(argv)
     args.model = None if args.model == "demo" else args.model
     if args.workload in ("edits", "echo"):
         args.max_tokens = args.max_tokens or 768
-        rows = run_tasks(args)
+        rows = asyncio.run(run_llama(args)) if args.llama_server else run_tasks(args)
     else:
         args.max_tokens = args.max_tokens or 64
         rows = asyncio.run(run(args))
