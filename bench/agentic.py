@@ -3,7 +3,7 @@ edits whose answer repeats most of the prompt, per drafter.
 
     python -m bench.agentic [--workload chats] [--chats 3] [--turns 5] [--max-tokens 64]
     python -m bench.agentic --workload edits [--methods none ngram suffix] [--rounds 1] [--k 4]
-        [--quantization int8]
+        [--quantization int8] [--fixed-k]
     python -m bench.agentic --workload echo [...]
     python -m bench.agentic --workload edits --llama-server PATH [--k 4]
 
@@ -216,7 +216,7 @@ def run_tasks(args: argparse.Namespace) -> list[dict[str, Any]]:
         m: EngineProcess(
             EngineConfig(
                 args.model,
-                SpecConfig(m, num_speculative_tokens=args.k),
+                SpecConfig(m, num_speculative_tokens=args.k, adaptive_k=not args.fixed_k),
                 kv,
                 max_running=1,
                 quantization=args.quantization,
@@ -340,6 +340,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--llama-server", type=Path, help="edits, echo: run the tasks through this llama-server"
     )
     parser.add_argument("--quantization", choices=["int8"], help="edits, echo: int8 linears")
+    parser.add_argument(
+        "--fixed-k", action="store_true", help="edits, echo: k every step, no cost model"
+    )
     args = parser.parse_args(argv)
     args.model = None if args.model == "demo" else args.model
     if args.workload in ("edits", "echo"):

@@ -319,7 +319,9 @@ class Builder:
         if spec.method == "hybrid":
             model_drafter = self.drafter(replace(spec, method=spec.hybrid_head), target,
                                          target_cache, attention, num_pages)  # fmt: skip
-            return HybridDrafter(model_drafter, SuffixDrafter(), spec.hybrid_min_score)
+            return HybridDrafter(
+                model_drafter, SuffixDrafter(), spec.hybrid_min_score, spec.num_speculative_tokens
+            )
         if spec.method in ("eagle", "mtp"):
             head: Head
             if spec.method == "eagle":

@@ -77,11 +77,13 @@ class Planner:
 
     def _make_plan(self, step: int, batch: Batch) -> Plan:
         """What the device needs for the batch's step: no state changes but a cache."""
-        k = self._draft_length(batch.seqs) if batch.kind == StepKind.DECODE else 0
-        drafts = self.drafter.host_drafts(batch.seqs, k) if k else None
+        decode = batch.kind == StepKind.DECODE
+        k = self._draft_length(batch.seqs) if decode else 0
+        # asked even where the cost model chose k = 0: a hybrid's suffix drafts cost no model
+        drafts = self.drafter.host_drafts(batch.seqs, k) if decode and self.k else None
         if drafts is not None:  # a row of None: the drafter drafts it on the device
             drafts = [
-                d if d is None else self._with_grammar(s, d, k)
+                d if d is None else self._with_grammar(s, d, max(k, len(d)))
                 for s, d in zip(batch.seqs, drafts, strict=True)
             ]
             # no wider a step than its longest drafts

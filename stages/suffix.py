@@ -192,23 +192,26 @@ class HybridDrafter:
     replace its own in their rows; its prefill and refill run over every committed token,
     whoever drafted it, so its state follows the text either way."""
 
-    def __init__(self, head: Drafter, suffix: SuffixDrafter, min_score: float):
+    def __init__(self, head: Drafter, suffix: SuffixDrafter, min_score: float, max_k: int):
         self.head, self.suffix, self.min_score = head, suffix, min_score
+        self.max_k = max_k  # a suffix draft's bound: the cost model's k prices the head
         self.target_layers = head.target_layers
         self.leader_only = head.leader_only
 
     def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int] | None] | None:
-        """Each row's suffix draft, or None where the head drafts."""
+        """Each row's suffix draft (up to max_k tokens), or None where the head drafts (k:
+        the cost model's choice for the head; at 0 its rows draft nothing)."""
         self.suffix._retire()
+        head: list[int] | None = None if k else []
         drafts: list[list[int] | None] = []
         for seq in seqs:
             choice = seq.request.params.speculative_method or "hybrid"
             if choice not in ("hybrid", "suffix"):
-                drafts.append(None)
+                drafts.append(head)
                 continue
-            draft = self.suffix.propose_for(seq.request, k)
+            draft = self.suffix.propose_for(seq.request, self.max_k)
             use = choice == "suffix" or draft.score >= self.min_score
-            drafts.append(draft.tokens if use else None)
+            drafts.append(draft.tokens if use else head)
         return drafts
 
     def prefill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:

@@ -156,3 +156,21 @@ def test_hybrid_is_a_chain():
 
     with pytest.raises(ValueError, match="needs a head"):
         SpecConfig("hybrid", tree="dynamic")
+
+
+async def test_the_suffix_drafts_where_the_cost_model_turns_the_head_off(
+    tiny_target, heads, prompts, expected, monkeypatch
+):
+    """The cost model's k prices the head: at k = 0 the head's rows draft nothing, and the
+    suffix still drafts up to --num-speculative-tokens."""
+    from engine.planner import Planner
+
+    monkeypatch.setattr(Planner, "_draft_length", lambda self, seqs: 0)
+    async with running(hybrid(tiny_target, heads["eagle"])) as engine:
+        outs = await asyncio.gather(*(
+            engine.generate(p, dataclasses.replace(GREEDY, speculative_method=c))
+            for p, c in zip(prompts[:6], ["suffix", "eagle"] * 3, strict=True)
+        ))  # fmt: skip
+    assert [token_ids(o) for o in outs] == expected[:6]
+    drafted = [o[-1].usage.draft_tokens for o in outs]
+    assert all(n > 0 for n in drafted[0::2]) and drafted[1::2] == [0, 0, 0]
