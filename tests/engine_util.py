@@ -122,6 +122,8 @@ DRAFTERS = {
     "eagle-tree": ("eagle", "eagle", 3, {"tree": "dynamic"}),
     "mtp-k": ("mtp", "mtp", 3, {}),
     "mtp-1": ("mtp", "mtp", 1, {}),
+    "suffix": ("suffix", None, 3, {}),
+    "hybrid": ("hybrid", "eagle", 3, {"hybrid_min_score": 0.5}),
 }
 # a logit gap float32 may lose in the dtype's rounding through a tiny model's two layers (and
 # in float32 on another device, its kernels' order of summation)
@@ -142,17 +144,17 @@ def write_drafters(target: Path, root: Path) -> dict[str, Path]:
 
 
 def assert_departs_only_at_near_ties(
-    exact: list[list[Delta]], theirs: list[list[int]], gap: float
+    exact: list[list[Delta]], theirs: list[list[int]], gap: float, what: str = ""
 ) -> None:
-    """Each output equals float32's (`exact`, generated with logprobs=2) up to a first
-    departure, where float32's top two logits were within `gap`."""
+    """Each output equals the reference's (`exact`, generated with logprobs=2) up to a first
+    departure, where the reference's top two logits were within `gap`."""
     for deltas, out in zip(exact, theirs, strict=True):
         ours = token_ids(deltas)
-        assert len(out) == len(ours)
+        assert len(out) == len(ours), what
         first = next((i for i, (x, y) in enumerate(zip(ours, out, strict=True)) if x != y), None)
         if first is not None:
             top = [lp for d in deltas for lp in d.logprobs][first].top
-            assert top[0][1] - top[1][1] < gap, (first, top)
+            assert top[0][1] - top[1][1] < gap, (what, first, top)
 
 
 def wait_healthy(port: int, seconds: float) -> None:

@@ -28,7 +28,7 @@ def drafters(tiny_target, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    return ragged_prompts(4, 300, seed=5)
+    return [p + p[:6] for p in ragged_prompts(4, 300, seed=5)]  # repeats: suffix matches
 
 
 async def generate(target, prompts, dtype, method="none", draft=None, k=3, **spec):
