@@ -248,7 +248,7 @@ class Builder:
                 spec.num_speculative_tokens,
                 spec.tree,
                 spec.tree_nodes,
-            ],  # fmt: skip
+            ],
             "engine": [config.max_running, config.torch_dtype, config.quantization, config.device],
             "machine": [torch.get_num_threads(), os.cpu_count(), platform.machine()],
         }

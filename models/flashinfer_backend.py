@@ -133,7 +133,7 @@ class FlashInferAttention:
         if self.q_index is None:
             # q is a view into the rotated q|k rows (models/llama.py); the kernel reads dense rows
             return self.wrapper.run(q.contiguous(), self.cache.data[layer])  # [T, Hq, D]
-        runs = q.new_zeros(self.padded, *q.shape[1:])  # padding queries see key 0 (zeros)
+        runs = q.new_zeros(self.padded, *q.shape[1:])  # padding queries: zeros, dropped after
         runs[self.q_index] = q
         return self.wrapper.run(runs, self.cache.data[layer])[self.q_index]
 

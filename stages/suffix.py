@@ -129,7 +129,7 @@ class SuffixDrafter(NoDrafter):
         self.max_tokens = max_tokens  # the global tree's bound on finished output tokens
 
     def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int] | None] | None:
-        self._retire()
+        self.retire()
         return [self.propose_for(s.request, k).tokens for s in seqs]
 
     def propose_for(self, request: Request, k: int) -> Draft:
@@ -158,7 +158,7 @@ class SuffixDrafter(NoDrafter):
                 best = draft
         return best
 
-    def _retire(self) -> None:
+    def retire(self) -> None:
         """Finished requests leave; their outputs stay in the global tree until the oldest
         pass `max_tokens`."""
         for request_id, (request, _, shared) in list(self.running.items()):
@@ -201,17 +201,17 @@ class HybridDrafter:
     def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int] | None] | None:
         """Each row's suffix draft (up to max_k tokens), or None where the head drafts (k:
         the cost model's choice for the head; at 0 its rows draft nothing)."""
-        self.suffix._retire()
-        head: list[int] | None = None if k else []
+        self.suffix.retire()
+        by_head: list[int] | None = None if k else []
         drafts: list[list[int] | None] = []
         for seq in seqs:
             choice = seq.request.params.speculative_method or "hybrid"
             if choice not in ("hybrid", "suffix"):
-                drafts.append(head)
+                drafts.append(by_head)
                 continue
             draft = self.suffix.propose_for(seq.request, self.max_k)
             use = choice == "suffix" or draft.score >= self.min_score
-            drafts.append(draft.tokens if use else head)
+            drafts.append(draft.tokens if use else by_head)
         return drafts
 
     def prefill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
