@@ -6,6 +6,7 @@ edits whose answer repeats most of the prompt, per drafter.
         [--quantization int8] [--fixed-k]
     python -m bench.agentic --workload echo [...]
     python -m bench.agentic --workload edits --llama-server PATH [--k 4]
+    python -m bench.agentic --workload turns [--methods none ngram suffix eagle hybrid]
 
 Chats:
 
@@ -24,6 +25,10 @@ eos honoured. Each method's engine runs in a process of its own (bench/common.py
 EngineProcess) and the methods take each task in turn. Per method: decode tokens/s after the
 first token, its ratio to no speculation, tokens per speculative step, and the share of the
 answers' tokens that sit in a run of 8 tokens found in the prompt (how much the model copied).
+
+Turns: the chats' turns (each its whole history, answered first by plain decoding, so that
+every method serves the same requests) run as the edits are, each method's engine with its
+prefix cache: per method also the mean time to first token.
 
 With --llama-server, the same tasks go through llama.cpp's server instead (the same GGUF and
 prompt ids, its prompt cache on), once per --spec-type (none, ngram-simple, ngram-mod, each
@@ -170,11 +175,16 @@ def echo_prompts(n: int = 6) -> list[str]:
     return prompts
 
 
-async def edit(engine: AsyncEngine, text: str, max_tokens: int) -> dict[str, Any]:
-    """One edit task: decode tokens, seconds after the first token, speculative steps and
-    accepted drafts, and the answer's copied tokens."""
-    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": text}])
+def user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+async def edit(engine: AsyncEngine, messages: list[dict], max_tokens: int) -> dict[str, Any]:
+    """One task (a chat's messages): decode tokens, seconds after the first token, seconds to
+    it, speculative steps and accepted drafts, and the answer's copied tokens."""
+    prompt = engine.tokenizer.encode_chat(messages)
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    start = time.perf_counter()
     first = last = 0.0
     ids: list[int] = []
     usage = None
@@ -189,6 +199,7 @@ async def edit(engine: AsyncEngine, text: str, max_tokens: int) -> dict[str, Any
     return {
         "tokens": len(ids) - 1,  # the first is the prefill's
         "seconds": last - first,
+        "ttft": first - start,
         "steps": usage.spec_steps,
         "accepted": usage.accepted_tokens,
         "copied": copied(prompt, ids),
@@ -224,16 +235,16 @@ def run_tasks(args: argparse.Namespace) -> list[dict[str, Any]]:
         )
         for m in methods
     }
-    totals = {m: dict.fromkeys(("tokens", "seconds", "steps", "accepted", "copied", "answer"), 0.0)
-              for m in methods}  # fmt: skip
+    keys = ("tokens", "seconds", "ttft", "steps", "accepted", "copied", "answer")
+    totals = {m: dict.fromkeys(keys, 0.0) for m in methods}
     try:
-        prompts = edit_prompts() if args.workload == "edits" else echo_prompts()
-        for cell in cells.values():  # warm-up: the cost model's first estimates, the caches
-            cell.run(edit, prompts[0], 32)
+        tasks = args.tasks
+        for cell in cells.values():  # warm-up: the cost model's first estimates
+            cell.run(edit, user(edit_prompts()[0]), 32)
         for _ in range(args.rounds):
-            for text in prompts:  # task by task, each method in turn
+            for messages in tasks:  # task by task, each method in turn
                 for method, cell in cells.items():
-                    for key, value in cell.run(edit, text, args.max_tokens).items():
+                    for key, value in cell.run(edit, messages, args.max_tokens).items():
                         totals[method][key] += value
     finally:
         for cell in cells.values():
@@ -250,10 +261,31 @@ def run_tasks(args: argparse.Namespace) -> list[dict[str, Any]]:
             if t["steps"]
             else None,
             "copied_share": round(t["copied"] / t["answer"], 3),
+            "ttft_mean_s": round(t["ttft"] / (len(args.tasks) * args.rounds), 3),
         }
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
+
+
+async def chat_turns(args: argparse.Namespace) -> list[list[dict[str, str]]]:
+    """The chats' turns, each its whole history, answered by plain decoding (greedy), so that
+    every drafter serves the same requests."""
+    engine = AsyncEngine(EngineConfig(args.model, kv=KVConfig(num_pages=args.num_pages)))
+    await engine.start()
+    turns = []
+    try:
+        asked = iter(questions())
+        for opening in chat_openings(args.chats):
+            messages = user(opening)
+            for _ in range(args.turns):
+                turns.append(list(messages))
+                prompt = engine.tokenizer.encode_chat(messages)
+                _, answer, _ = await first_token(engine, prompt, args.max_tokens)
+                messages += [{"role": "assistant", "content": answer}, *user(next(asked))]
+    finally:
+        await engine.stop()
+    return turns
 
 
 LLAMA_SPECS = {  # llama.cpp's --spec-type and its flags capping a draft at k tokens
@@ -277,8 +309,7 @@ async def run_llama(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     gguf = model_path(args.model)
     tokenizer = Tokenizer(gguf)
-    prompts = edit_prompts() if args.workload == "edits" else echo_prompts()
-    prompt_ids = [tokenizer.encode_chat([{"role": "user", "content": t}]) for t in prompts]
+    prompt_ids = [tokenizer.encode_chat(messages) for messages in args.tasks]
     log = Path(tempfile.mkdtemp()) / "llama-server.log"
     rows = []
     for spec, flags in LLAMA_SPECS.items():
@@ -326,7 +357,7 @@ def summary(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.agentic", description=__doc__)
-    parser.add_argument("--workload", choices=("chats", "edits", "echo"), default="chats")
+    parser.add_argument("--workload", choices=("chats", "turns", "edits", "echo"), default="chats")
     parser.add_argument("--model", default="smollm2", help="smollm2, a path, or demo")
     parser.add_argument("--methods", nargs="+", default=["none", "ngram", "suffix"])
     parser.add_argument("--rounds", type=int, default=1, help="edits: passes over the tasks")
@@ -347,7 +378,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.model = None if args.model == "demo" else args.model
     if args.workload in ("edits", "echo"):
         args.max_tokens = args.max_tokens or 768
+        prompts = edit_prompts() if args.workload == "edits" else echo_prompts()
+        args.tasks = [user(p) for p in prompts]
         rows = asyncio.run(run_llama(args)) if args.llama_server else run_tasks(args)
+    elif args.workload == "turns":
+        args.max_tokens = args.max_tokens or 64
+        args.tasks = asyncio.run(chat_turns(args))
+        rows = run_tasks(args)
     else:
         args.max_tokens = args.max_tokens or 64
         rows = asyncio.run(run(args))

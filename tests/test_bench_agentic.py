@@ -3,6 +3,8 @@ its own (bench/common.py EngineProcess) as the benchmarks run them."""
 
 from __future__ import annotations
 
+import json
+
 from bench.agentic import (
     COPY_RUN,
     EDITS,
@@ -51,3 +53,14 @@ def test_an_engine_process_runs_jobs_on_its_engine(tiny_target):
         assert len(first) == 4 and cell.run(_answer, [1, 2, 3]) == first
     finally:
         cell.close()
+
+
+def test_the_turns_workload_serves_each_history_with_every_method(tmp_path):
+    from bench.agentic import main
+
+    out = tmp_path / "rows.json"
+    args = ["--workload", "turns", "--model", "demo", "--chats", "1", "--turns", "2"]
+    assert main([*args, "--methods", "none", "suffix", "--max-tokens", "6", "--out", str(out)]) == 0
+    rows = {row["method"]: row for row in json.loads(out.read_text())}
+    assert set(rows) == {"none", "suffix"} and rows["none"]["vs_none"] == 1.0
+    assert rows["suffix"]["tokens_per_spec_step"] >= 1 and rows["none"]["ttft_mean_s"] > 0
