@@ -7,6 +7,7 @@ edits whose answer repeats most of the prompt, per drafter.
     python -m bench.agentic --workload echo [...]
     python -m bench.agentic --workload edits --llama-server PATH [--k 4]
     python -m bench.agentic --workload turns [--methods none ngram suffix eagle hybrid]
+        [--no-prefix-cache]
 
 Chats:
 
@@ -222,7 +223,7 @@ def run_tasks(args: argparse.Namespace) -> list[dict[str, Any]]:
     from engine.config import SpecConfig
 
     methods = ["none"] + [m for m in args.methods if m != "none"]
-    kv = KVConfig(num_pages=args.num_pages)
+    kv = KVConfig(num_pages=args.num_pages, prefix_cache=not args.no_prefix_cache)
     cells = {
         m: EngineProcess(
             EngineConfig(
@@ -366,6 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=None, help="chats 64, edits 768")
     parser.add_argument("--num-pages", type=int, default=512, help="KV pages of each engine")
+    parser.add_argument("--no-prefix-cache", action="store_true", help="turns, edits, echo")
     parser.add_argument("--out", type=Path, default=None, help="write the rows here (JSON)")
     parser.add_argument(
         "--llama-server", type=Path, help="edits, echo: run the tasks through this llama-server"
