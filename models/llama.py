@@ -135,17 +135,15 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, intermediate_size: int = 0):
+        """`intermediate_size`: 0 for the config's (a MoE's shared experts have their own)."""
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
+        self.intermediate_size = intermediate_size or cfg.intermediate_size
         # gate and up: the checkpoint's (training's); replaced by gate_up when prepared
-        self.gate_proj: nn.Linear | None = nn.Linear(
-            cfg.hidden_size, cfg.intermediate_size, bias=False
-        )
-        self.up_proj: nn.Linear | None = nn.Linear(
-            cfg.hidden_size, cfg.intermediate_size, bias=False
-        )
-        self.down_proj: nn.Module = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        h, i = cfg.hidden_size, self.intermediate_size
+        self.gate_proj: nn.Linear | None = nn.Linear(h, i, bias=False)
+        self.up_proj: nn.Linear | None = nn.Linear(h, i, bias=False)
+        self.down_proj: nn.Module = nn.Linear(i, h, bias=False)
         self.gate_up: FusedLinear | None = None  # gate|up fused for inference
         self.native = False  # silu(gate) * up through models/kernels.c
 

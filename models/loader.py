@@ -284,7 +284,14 @@ def load_model(
         from models.gguf import load_gguf_model  # models.gguf builds on this module
 
         return load_gguf_model(directory, dtype, device, cache_dir)
-    cfg = config_from_hf(read_config(directory))
+    d = read_config(directory)
+    if d.get("architectures") == ["DeepseekV3ForCausalLM"]:
+        from models.deepseek import load_deepseek  # models.deepseek builds on this module
+
+        if shard is not None:
+            raise ValueError("a DeepSeek model is not served with tensor parallelism yet")
+        return load_deepseek(directory, dtype, device)  # type: ignore[return-value]
+    cfg = config_from_hf(d)
     with to_be_loaded():
         model = LlamaModel(cfg)
     if shard is not None:

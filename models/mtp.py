@@ -30,7 +30,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from core.step import TargetOutput
+from models import deepseek
 from models.attention import Attention
+from models.deepseek import DeepseekConfig, DeepseekLayer, DeepseekRotary
 from models.llama import (
     DecoderLayer,
     LlamaConfig,
@@ -60,7 +62,7 @@ SHARED_SUFFIXES = ("embed_tokens.weight", "shared_head.head.weight")
 class SharedHead(nn.Module):
     """Holds `norm` so that the parameter is named `shared_head.norm.weight`, as DeepSeek's."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig | DeepseekConfig):
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -72,7 +74,7 @@ class MTPHead(nn.Module):
     pair_offset = 1  # the pair (t_{i+1}, H_i) sits at position i + 1 (stages/head_drafter.py)
     target_layers: tuple[int, ...] = ()  # it reads the target's final hidden states only
 
-    def __init__(self, cfg: LlamaConfig, target: LlamaModel):
+    def __init__(self, cfg: LlamaConfig | DeepseekConfig, target: LlamaModel):
         super().__init__()
         if cfg.hidden_size != target.config.hidden_size:
             raise ValueError(
@@ -83,9 +85,15 @@ class MTPHead(nn.Module):
         self.enorm = RMSNorm(h, eps)
         self.hnorm = RMSNorm(h, eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        self.block = DecoderLayer(self.config, 0)
+        self.block: nn.Module
+        self.rotary: nn.Module
+        if isinstance(self.config, DeepseekConfig):  # a DeepSeek MTP layer's block: experts
+            self.block = DeepseekLayer(self.config, 0, moe=self.config.n_routed_experts > 0)
+            self.rotary = DeepseekRotary(self.config)
+        else:
+            self.block = DecoderLayer(self.config, 0)
+            self.rotary = Rotary(self.config)
         self.shared_head = SharedHead(self.config)
-        self.rotary = Rotary(self.config)
         self.decoder: NativeDecoder | None = None  # short forwards (prepare_for_inference)
         object.__setattr__(self, "target", target)
 
@@ -103,8 +111,8 @@ class MTPHead(nn.Module):
         return run_layers([self.block], self.decoder, x, cos, sin, attn)[0]
 
     def stack(self) -> list[DecoderLayer]:
-        """The head's block, for NativeDecoder (prepare_for_inference)."""
-        return [self.block]
+        """The head's block, for NativeDecoder (prepare_for_inference): a Llama block's."""
+        return [self.block] if isinstance(self.block, DecoderLayer) else []
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, vocab] from block outputs [R, H], through the head's norm and the target's head."""
@@ -117,6 +125,8 @@ class MTPHead(nn.Module):
 
 def save_mtp_head(head: MTPHead, directory: str | Path, dtype: torch.dtype = torch.float32) -> None:
     """A standalone head directory (config.json and model.safetensors) for `load_mtp_head`."""
+    if not isinstance(head.config, LlamaConfig):
+        raise ValueError("a DeepSeek MTP layer is read from its model's checkpoint, not saved")
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     config = config_to_hf(dataclasses.replace(head.config, architecture="LlamaForCausalLM"), dtype)
@@ -132,7 +142,8 @@ def save_mtp_head(head: MTPHead, directory: str | Path, dtype: torch.dtype = tor
 def load_mtp_head(directory: str | Path, target: LlamaModel) -> MTPHead:
     """The head of a standalone head directory or of a Llama checkpoint with an MTP layer,
     sharing `target`'s embedding and lm_head, in the target's dtype and device, in eval mode."""
-    cfg, layer = _head_config(read_config(directory), directory)
+    d = read_config(directory)
+    cfg, layer = _head_config(d, directory)
     if cfg.hidden_size != target.config.hidden_size:
         raise CheckpointError(
             f"the MTP head in {directory} has hidden size {cfg.hidden_size}, "
@@ -142,20 +153,26 @@ def load_mtp_head(directory: str | Path, target: LlamaModel) -> MTPHead:
     with to_be_loaded():
         head = MTPHead(cfg, target)
     expected = {name: tuple(p.shape) for name, p in head.state_dict().items()}
-    state = _load_layer(directory, layer, expected, weight.dtype, weight.device)
+    if isinstance(cfg, DeepseekConfig):
+        state = _deepseek_layer(directory, d, layer, expected, weight.dtype, weight.device)
+    else:
+        state = _load_layer(directory, layer, expected, weight.dtype, weight.device)
     head.load_state_dict(state, assign=True)
-    with torch.device(weight.device):
-        head.rotary = Rotary(head.config)  # its buffer is computed, not stored
+    with torch.device(weight.device):  # its buffer is computed, not stored
+        head.rotary = DeepseekRotary(cfg) if isinstance(cfg, DeepseekConfig) else Rotary(cfg)
+    if isinstance(head.block, DeepseekLayer):
+        head.block.self_attn.absorb()
     return head.eval().requires_grad_(False)
 
 
-def _head_config(d: dict, directory: str | Path) -> tuple[LlamaConfig, int]:
+def _head_config(d: dict, directory: str | Path) -> tuple[LlamaConfig | DeepseekConfig, int]:
     """(config of the head's block, index N of its `model.layers.{N}.` tensors)."""
     archs = d.get("architectures") or []
     if archs == [ARCHITECTURE]:
         return config_from_hf(d | {"architectures": ["LlamaForCausalLM"]}), 0
     if d.get("num_nextn_predict_layers", 0) >= 1:
-        return config_from_hf(d), int(d["num_hidden_layers"])
+        read = deepseek.config_from_hf if archs == [deepseek.ARCHITECTURE] else config_from_hf
+        return read(d), int(d["num_hidden_layers"])
     raise CheckpointError(
         f"{directory} holds no MTP head: config.json needs architectures [{ARCHITECTURE!r}] "
         "or num_nextn_predict_layers >= 1"
@@ -199,3 +216,22 @@ def _load_layer(
     if missing:
         raise CheckpointError(f"MTP tensor(s) {missing} missing from {directory}")
     return state
+
+
+def _deepseek_layer(
+    directory: str | Path,
+    d: dict,
+    layer: int,
+    expected: dict[str, tuple[int, ...]],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """Our-named tensors of a DeepSeek checkpoint's MTP layer N (models/deepseek.py
+    `read_state`: float8 dequantized, experts stacked), checked against `expected`."""
+    prefix = f"layers.{layer}."
+    state = deepseek.read_state(
+        directory, d, lambda n: n.startswith(prefix) and not n.endswith(SHARED_SUFFIXES)
+    )
+    ours = {name.removeprefix("block."): name for name in expected}
+    state = {ours.get(n.removeprefix(prefix), n): t for n, t in state.items()}
+    return deepseek.checked(state, expected, dtype, device, str(directory))

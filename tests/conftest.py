@@ -1,5 +1,7 @@
+import contextlib
 import os
 import tempfile
+import threading
 
 import pytest
 import torch
@@ -62,3 +64,49 @@ def plain16(tiny_target, ragged16):
             return await staggered(engine, ragged16, greedy)
 
     return asyncio.run(plain())
+
+
+HOST_CONVERSIONS = (
+    "item",
+    "tolist",
+    "cpu",
+    "numpy",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+)
+
+
+@pytest.fixture
+def forbid_host_sync(monkeypatch):
+    """While a decode step's device stage runs on the compute stream, every tensor-to-host
+    conversion raises (on a GPU each one would wait for the device)."""
+    guarded = threading.local()
+
+    def guard(name):
+        original = getattr(torch.Tensor, name)
+
+        def conversion(self, *args, **kwargs):
+            if getattr(guarded, "on", False):
+                raise RuntimeError(f"host sync: Tensor.{name} inside a device stage")
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, conversion)
+
+    for name in HOST_CONVERSIONS:
+        guard(name)
+    from engine.executor import Executor
+
+    traced = Executor._stage
+
+    @contextlib.contextmanager
+    def stage(self, plan, time, name, *args):
+        guarded.on = plan.kind == "decode" and name in ("draft", "verify", "sample", "refill")
+        try:
+            with traced(self, plan, time, name, *args) as fields:
+                yield fields
+        finally:
+            guarded.on = False
+
+    monkeypatch.setattr(Executor, "_stage", stage)

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
-import threading
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.executor import Executor
 from engine.request import SamplingParams
 from models.attention import CausalAttention
 from models.loader import CheckpointError, load_model, read_safetensors, save_pretrained
@@ -239,49 +236,6 @@ def test_sampled_mtp_follows_target(tmp_path, k):
 
 
 # ---------------------------------------------------------------- one-token mode: no host sync
-
-HOST_CONVERSIONS = (
-    "item",
-    "tolist",
-    "cpu",
-    "numpy",
-    "__bool__",
-    "__int__",
-    "__float__",
-    "__index__",
-)
-
-
-@pytest.fixture
-def forbid_host_sync(monkeypatch):
-    """While a decode step's device stage runs on the compute stream, every tensor-to-host
-    conversion raises (on a GPU each one would wait for the device)."""
-    guarded = threading.local()
-
-    def guard(name):
-        original = getattr(torch.Tensor, name)
-
-        def conversion(self, *args, **kwargs):
-            if getattr(guarded, "on", False):
-                raise RuntimeError(f"host sync: Tensor.{name} inside a device stage")
-            return original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, conversion)
-
-    for name in HOST_CONVERSIONS:
-        guard(name)
-    traced = Executor._stage
-
-    @contextlib.contextmanager
-    def stage(self, plan, time, name, *args):
-        guarded.on = plan.kind == "decode" and name in ("draft", "verify", "sample", "refill")
-        try:
-            with traced(self, plan, time, name, *args) as fields:
-                yield fields
-        finally:
-            guarded.on = False
-
-    monkeypatch.setattr(Executor, "_stage", stage)
 
 
 async def test_one_token_mode_never_syncs_the_host(

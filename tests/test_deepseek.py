@@ -1,0 +1,344 @@
+"""DeepSeek-V3 targets (models/deepseek.py) against transformers' DeepseekV3ForCausalLM on tiny
+random checkpoints: paged forwards, the engine's greedy output, the loader's layouts."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from engine.request import SamplingParams
+from models.attention import CausalAttention
+from models.deepseek import DeepseekModel, MoE, load_deepseek
+from models.llama import prepare_for_inference
+from models.loader import CheckpointError, load_model
+from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
+from tests.paged import PagedRunner
+from tests.tiny import write_tokenizer
+
+TOLERANCE = 1e-4
+COMMON: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 256,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
+CONFIGS: dict[str, dict[str, Any]] = {
+    # q through its low-rank latent, a dense first layer, 4 groups of 2 experts of which the
+    # 2 best are kept, a shared expert, rotary pairs interleaved; cached width 32 + 16: the
+    # native attention kernel's
+    "q-lora-groups": {
+        "num_hidden_layers": 3, "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 16, "v_head_dim": 12, "n_routed_experts": 8, "n_group": 4,
+        "topk_group": 2, "num_experts_per_tok": 3, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+    },
+    # q projected directly, every layer MoE, one group, no shared expert, unnormalised
+    # weights, rotate-half rotary; cached width 20 + 4 (torch's attention)
+    "plain-q-all-moe": {
+        "num_hidden_layers": 2, "q_lora_rank": None, "kv_lora_rank": 20, "qk_nope_head_dim": 12,
+        "qk_rope_head_dim": 4, "v_head_dim": 16, "n_routed_experts": 6, "n_group": 1,
+        "topk_group": 1, "num_experts_per_tok": 2, "n_shared_experts": 0,
+        "first_k_dense_replace": 0, "norm_topk_prob": False, "rope_interleave": False,
+    },
+    # YaRN with DeepSeek's mscales (the softmax scale and the rotary's), 2 shared experts
+    "yarn": {
+        "num_hidden_layers": 2, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 8, "v_head_dim": 8, "n_routed_experts": 4, "n_group": 2,
+        "topk_group": 1, "num_experts_per_tok": 2, "n_shared_experts": 2,
+        "first_k_dense_replace": 1,
+        "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
+            "mscale": 1.0, "mscale_all_dim": 0.8,
+        },
+    },
+}  # fmt: skip
+
+
+def hf_model(name: str, vocab: int, seed: int = 0) -> transformers.PreTrainedModel:
+    """A random model whose every weight matters to the logits: wide enough that greedy
+    decoding and the routers' choices do not turn on rounding."""
+    torch.manual_seed(seed)
+    cfg = transformers.DeepseekV3Config(vocab_size=vocab, **COMMON, **CONFIGS[name])
+    model = transformers.DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if "norm" in param_name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.3)
+        for buffer_name, b in model.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    """(the config's name, its directory, transformers' model)."""
+    root = tmp_path_factory.mktemp(request.param)
+    reference = hf_model(request.param, write_tokenizer(root))
+    reference.save_pretrained(root)
+    return request.param, root, reference
+
+
+def hf_logits(model: transformers.PreTrainedModel, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["plain", "inference-kernels"])
+def test_paged_prefill_decode_verify_match_transformers(checkpoint, prepared):
+    name, root, reference = checkpoint
+    model = load_model(root)
+    assert isinstance(model, DeepseekModel)
+    if prepared:
+        prepare_for_inference(model)
+    runner = PagedRunner(model, num_seqs=3)
+    vocab = model.config.vocab_size
+    schedule = [[7, 3, 10]] + [[1, 1, 1]] * 3 + [[3, 5, 4], [5, 4, 3]]
+    outputs = []
+    for lengths in schedule:
+        starts = [len(t) for t in runner.tokens]
+        chunks = [torch.randint(0, vocab, (n,)).tolist() for n in lengths]
+        outputs.extend(zip(range(3), starts, runner.step(chunks), strict=True))
+    expected = [hf_logits(reference, tokens) for tokens in runner.tokens]
+    for seq, start, got in outputs:
+        want = expected[seq][start : start + len(got)]
+        assert (got - want).abs().max().item() <= TOLERANCE, (name, seq, start)
+    assert expected[0].abs().max() > 1.0  # the check is not vacuous
+
+
+@pytest.mark.parametrize("chunk", [0, 8], ids=["whole-prefill", "chunked-prefill"])
+async def test_the_engine_decodes_as_transformers_greedy(checkpoint, chunk):
+    name, root, reference = checkpoint
+    prompts = ragged_prompts(4, reference.config.vocab_size, seed=5)
+    kw = {"max_batch_tokens": chunk} if chunk else {}
+    async with running(make_config(root, **kw)) as engine:
+        params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+        outs = [token_ids(await engine.generate(p, params)) for p in prompts]
+    for prompt, out in zip(prompts, outs, strict=True):
+        want: list[int] = []
+        for _ in range(10):  # greedy through transformers' whole forward, eos not stopping it
+            want.append(int(hf_logits(reference, prompt + want)[-1].argmax()))
+        assert out == want, (name, prompt)
+
+
+def test_moe_in_two_halves_and_by_expert_equals_one_gathered_pass(checkpoint):
+    """A batch's two micro-batches, and each expert run over its tokens (prefills), give
+    the rows of one pass that gathers each token's experts (decodes)."""
+    _, root, _ = checkpoint
+    model = load_deepseek(root, torch.float32, "cpu")
+    moe = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE))
+    x = torch.randn(10, model.config.hidden_size)
+    with torch.no_grad():
+        whole, halves = moe(x), moe(x, halves=True)
+        moe.experts.gathered_max_tokens = 0
+        by_expert = moe(x)
+    # within 1e-5 of rows whose entries reach ~50: float32 rounding of other sums' orders
+    torch.testing.assert_close(halves, whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(by_expert, whole, rtol=1e-5, atol=1e-5)
+    assert whole.abs().max() > 0.1
+
+
+def by_blocks(scale: torch.Tensor, shape: torch.Size, block: int = 16) -> torch.Tensor:
+    """Per-block scales [ceil(out / b), ceil(in / b)] spread over a weight's shape."""
+    return scale.repeat_interleave(block, 0)[: shape[0]].repeat_interleave(block, 1)[:, : shape[1]]
+
+
+def test_float8_weights_are_dequantized_by_block(tmp_path, checkpoint):
+    """A float8 copy of the checkpoint (a weight_scale_inv per 16 x 16 block; DeepSeek-V3's
+    are 128 x 128) loads as the float32 checkpoint holding the same dequantized values."""
+    _, root, _ = checkpoint
+    quantized, dequantized = {}, {}
+    for name, t in load_file(root / "model.safetensors").items():
+        if not (t.ndim == 2 and t.numel() and name.endswith("proj.weight")):
+            quantized[name] = dequantized[name] = t
+            continue
+        blocks = (-(-t.shape[0] // 16), -(-t.shape[1] // 16))
+        scale = t.abs().amax() / 448 * (0.5 + torch.rand(blocks))
+        q = (t / by_blocks(scale, t.shape)).to(torch.float8_e4m3fn)
+        quantized |= {name: q, name + "_scale_inv": scale}
+        dequantized[name] = q.float() * by_blocks(scale, t.shape)
+    config = json.loads((root / "config.json").read_text())
+    fp8 = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 16]}}
+    for directory, weights, extra in (("fp8", quantized, fp8), ("f32", dequantized, {})):
+        (tmp_path / directory).mkdir()
+        save_file(weights, tmp_path / directory / "model.safetensors")
+        (tmp_path / directory / "config.json").write_text(json.dumps(config | extra))
+    a = load_deepseek(tmp_path / "fp8", torch.float32, "cpu").state_dict()
+    b = load_deepseek(tmp_path / "f32", torch.float32, "cpu").state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_unsupported_checkpoints_are_refused_by_name(tmp_path, checkpoint):
+    _, root, _ = checkpoint
+    config = json.loads((root / "config.json").read_text())
+    for change, says in (
+        ({"scoring_func": "softmax"}, "scoring_func"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope type"),
+        ({"quantization_config": {"quant_method": "awq"}}, "awq"),
+    ):
+        (tmp_path / "config.json").write_text(json.dumps(config | change))
+        (tmp_path / "model.safetensors").write_bytes((root / "model.safetensors").read_bytes())
+        with pytest.raises(CheckpointError, match=says):
+            load_model(tmp_path)
+
+
+# ---------------------------------------------------------------- the checkpoint's MTP layer
+
+
+def with_mtp_layer(reference: transformers.PreTrainedModel, root, seed: int = 1):
+    """transformers' MTP model over `reference` (random weights), its layer written into the
+    checkpoint at `model.layers.{num_hidden_layers}.` under DeepSeek's published names."""
+    from transformers.modeling_layers import MtpModel
+
+    torch.manual_seed(seed)
+    mtp = MtpModel(reference, 1).eval()
+    layer = mtp.layers[0]
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.3)
+        for name, b in layer.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
+    prefix = f"model.layers.{reference.config.num_hidden_layers}."
+    tensors = load_file(root / "model.safetensors")
+    for name, t in layer.state_dict().items():
+        name = name.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")
+        if name.endswith("experts.gate_up_proj"):
+            for e, (gate, up) in enumerate(zip(*t.chunk(2, 1), strict=True)):
+                tensors[f"{prefix}{name[: -len('gate_up_proj')]}{e}.gate_proj.weight"] = gate
+                tensors[f"{prefix}{name[: -len('gate_up_proj')]}{e}.up_proj.weight"] = up
+        elif name.endswith("experts.down_proj"):
+            for e, down in enumerate(t):
+                tensors[f"{prefix}{name[: -len('down_proj')]}{e}.down_proj.weight"] = down
+        else:
+            tensors[prefix + name] = t
+    # DeepSeek's MTP layers carry copies of the embedding and the head (the target's are used)
+    tensors[prefix + "embed_tokens.weight"] = reference.model.embed_tokens.weight.detach()
+    tensors[prefix + "shared_head.head.weight"] = reference.lm_head.weight.detach()
+    save_file({n: t.contiguous() for n, t in tensors.items()}, root / "model.safetensors")
+    return mtp
+
+
+def test_the_checkpoints_mtp_layer_matches_transformers(checkpoint, tmp_path):
+    from models.mtp import load_mtp_head
+
+    name, root, reference = checkpoint
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / f).write_bytes((root / f).read_bytes())
+    (tmp_path / "model.safetensors").write_bytes((root / "model.safetensors").read_bytes())
+    mtp = with_mtp_layer(reference, tmp_path)
+    target = load_model(tmp_path)
+    head = load_mtp_head(tmp_path, target)
+    ids = torch.randint(0, reference.config.vocab_size, (1, 24))
+    n = ids.shape[1] - 1
+    with torch.no_grad():
+        hidden = reference.model(ids).last_hidden_state  # [1, T, H], after the final norm
+        positions = torch.arange(1, n + 1)[None]
+        want = mtp.layers[0](
+            inputs_embeds=reference.model.embed_tokens(ids[:, 1:]),
+            previous_hidden_state=hidden[:, :-1],
+            position_embeddings=reference.model.rotary_emb(hidden, positions),
+            attention_mask=None,
+            position_ids=positions,
+            cache=None,
+        )[0]  # after its post norm: DeepSeek's shared_head.norm
+        ours = head(ids[0, 1:], hidden[0, :-1], positions[0], CausalAttention(1, n))
+        got = head.shared_head.norm(ours)
+    assert (got - want).abs().max().item() <= TOLERANCE, name
+    assert want.abs().max() > 0.5
+    with torch.no_grad():
+        assert (head.logits(ours) - reference.lm_head(want)).abs().max().item() <= 1e-3
+
+
+@pytest.fixture(scope="module")
+def with_mtp(checkpoint, tmp_path_factory):
+    """(the config's name, a copy of its checkpoint carrying an MTP layer)."""
+    name, root, reference = checkpoint
+    copy = tmp_path_factory.mktemp(f"{name}-mtp")
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+        (copy / f).write_bytes((root / f).read_bytes())
+    with_mtp_layer(reference, copy)
+    return name, copy
+
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("k", [1, 3], ids=["one-token", "chain-3"])
+async def test_greedy_with_the_checkpoints_mtp_equals_plain(with_mtp, k, request):
+    """k = 1: the one-token mode, whose decode steps must not wait for the host (the MoE
+    layers' routing included)."""
+    name, root = with_mtp
+    prompts = ragged_prompts(6, 300, seed=2)
+    async with running(make_config(root, max_batch_tokens=64)) as engine:
+        plain = await staggered(engine, prompts, GREEDY, seed=1)
+    if k == 1:
+        request.getfixturevalue("forbid_host_sync")
+    async with running(make_config(root, "mtp", root, k=k, max_batch_tokens=64)) as engine:
+        outs = await staggered(engine, prompts, GREEDY, seed=1)
+        usage = (await engine.generate(prompts[0], GREEDY))[-1].usage
+        await engine.wait_idle()
+        assert engine.allocator.num_free == engine.allocator.num_pages
+    assert outs == plain, name
+    assert usage.draft_tokens > 0 and usage.accepted_tokens <= usage.draft_tokens
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("k", [1, 2])
+def test_sampled_output_with_the_checkpoints_mtp_follows_the_target(tmp_path, k):
+    """The chi-square of tests/test_speculative_stats.py on a DeepSeek target of VOCAB
+    tokens drafted by its MTP layer (k = 1: the one-token mode), the drafts sampled."""
+    import asyncio
+    import dataclasses
+
+    from tests import stats
+
+    write_tokenizer(tmp_path)
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=stats.VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_attention_heads=2, num_hidden_layers=1, q_lora_rank=None, kv_lora_rank=8,
+        qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4, n_routed_experts=4, n_group=1,
+        topk_group=1, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=0,
+        max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    reference = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for param_name, p in reference.named_parameters():
+            # a law of 56 outcomes (34 of them drawn 5 times or more in N), whose 4% shift
+            # the test rejects (p ~1e-8 at the expected counts)
+            p.uniform_(0.5, 1.5) if "norm" in param_name else p.normal_(0.0, 0.4)
+    reference.save_pretrained(tmp_path)
+    with_mtp_layer(reference, tmp_path, seed=4)
+    expected = stats.exact_joint(tmp_path)
+    config = make_config(
+        tmp_path, "mtp", tmp_path, k=k, pages=3 * stats.N, max_running=stats.N,
+        max_waiting=stats.N, max_batch_tokens=len(stats.PROMPT) * stats.N, max_model_len=16,
+    )  # fmt: skip
+    config = dataclasses.replace(config, spec=dataclasses.replace(config.spec, sampled_drafts=True))
+
+    async def draws() -> dict[tuple[int, ...], int]:
+        params = [SamplingParams(**stats.PARAMS) for _ in range(stats.N)]  # no seeds
+        async with running(config) as engine:
+            outs = await asyncio.gather(*(engine.generate(stats.PROMPT, p) for p in params))
+        assert all(out[-1].usage.draft_tokens >= 1 for out in outs)
+        counts: dict[tuple[int, ...], int] = {}
+        for out in outs:
+            counts[tuple(token_ids(out))] = counts.get(tuple(token_ids(out)), 0) + 1
+        return counts
+
+    observed = asyncio.run(draws())
+    assert sum(observed.values()) == stats.N
+    stats.assert_law(observed, expected, stats.N)
