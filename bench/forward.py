@@ -2,6 +2,7 @@
 
     python -m bench.forward [--model smollm2|demo|DIR] [--context 512] [--rows 1 5 9 16 32]
         [--prefill 2000] [--repeats 15] [--quantization int8] [--out F.json]
+    python -m bench.forward --mla 1024 4096     # MLA's absorbed and expanded decode
 
 A forward of R rows is the target's over one sequence's paged KV cache of `context` tokens:
 one row is a decode, k + 1 a verify, a tree's nodes a tree verify. Its floor is the larger of
@@ -14,6 +15,7 @@ A prefill of `--prefill` tokens into an empty cache is timed too (one chunk).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -27,6 +29,7 @@ from engine.builder import cache_dir, model_path
 from kv.cache import KVCache
 from kv.table import PageTable
 from models import native
+from models.attention import TorchPagedAttention
 from models.linear import FusedLinear, held_bytes
 from models.llama import LlamaModel, prepare_for_inference
 from models.loader import load_model
@@ -128,6 +131,62 @@ def measure(model: str, context: int, rows: list[int], prefill: int, repeats: in
     return result
 
 
+# DeepSeek-V2-Lite's attention (16 heads; the MoE left out: one small dense MLP)
+MLA = {"vocab_size": 1024, "hidden_size": 2048, "intermediate_size": 256, "num_layers": 1,
+       "num_heads": 16, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+       "v_head_dim": 128}  # fmt: skip
+MLA_FORMS = {  # form: (torch's attention for every forward, MLA expanded)
+    "absorbed": (False, False),  # as the engine decodes: the native attention where it built
+    "absorbed, torch attention": (True, False),
+    "expanded": (True, True),
+}
+
+
+def mla_forms(contexts: list[int], repeats: int) -> list[dict]:
+    """A one-token decode of one MLA layer at each context, in each form (MLA_FORMS), a
+    prefill of the context in each form, and the KV bytes a token and layer beside a Llama
+    layer of the same width."""
+    from models.deepseek import DeepseekConfig, DeepseekModel, LatentAttention
+
+    torch.manual_seed(0)
+    cfg = DeepseekConfig(**MLA)
+    with torch.inference_mode():
+        model = DeepseekModel(cfg)
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+        attention = model.layers[0].self_attn
+        assert isinstance(attention, LatentAttention)
+        attention.absorb()
+        prepare_for_inference(model)
+        rows = []
+        for context in contexts:
+            prompt = torch.randint(0, cfg.vocab_size, (1, context))
+            prefill = {}
+            for form in ("absorbed", "expanded"):  # the prompt in one chunk, torch's attention
+                attention.expanded_min_tokens = 0 if form == "expanded" else 1 << 30
+                seconds = timed(functools.partial(OursDecode, model, prompt))
+                prefill[f"prefill {form}"] = seconds * 1e3
+            decode = OursDecode(model, prompt)
+            step = functools.partial(
+                decode.forward, decode.tables, torch.randint(0, cfg.vocab_size, (1,)), context - 1
+            )
+            times: dict[str, list[float]] = {form: [] for form in MLA_FORMS}
+            for _ in range(repeats + 1):  # interleaved; the first round warms up
+                for form, (torch_only, expanded) in MLA_FORMS.items():
+                    TorchPagedAttention.native_max_q = -1 if torch_only else 64
+                    attention.expanded_min_tokens = 0 if expanded else 1 << 30
+                    times[form].append(timed(step))
+            TorchPagedAttention.native_max_q, attention.expanded_min_tokens = 64, 128
+            medians = {form: statistics.median(t[1:]) * 1e3 for form, t in times.items()}
+            rows.append({"context": context} | medians | prefill)
+    latent = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    llama = 2 * cfg.hidden_size * 4  # keys and values of 16 heads of 128
+    print(f"KV bytes a token and layer (float32): MLA's latent and rotary key {latent}, held "
+          f"twice here (as keys and as values) {2 * latent}; a Llama layer of the same width "
+          f"{llama}")  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2", help="smollm2, demo or a directory")
@@ -137,8 +196,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--quantization", choices=["int8"], help="weight-only int8 linears")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--mla", type=int, nargs="+", metavar="CONTEXT",
+                        help="MLA's decode in each form at these contexts instead")  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
+    if args.mla:
+        rows = mla_forms(args.mla, args.repeats)
+        forms = [*MLA_FORMS, "prefill absorbed", "prefill expanded"]
+        table = [[r["context"], *[f"{r[f]:.2f}" for f in forms]] for r in rows]
+        print(text_table(["context", *[f + " ms" for f in forms]], table))
+        return
     r = measure(args.model, args.context, args.rows, args.prefill, args.repeats,
                 args.quantization == "int8")  # fmt: skip
     print(f"weights {r['weight_bytes'] / 1e6:.0f} MB, {r['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s,"

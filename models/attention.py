@@ -101,27 +101,45 @@ class TorchPagedAttention:
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        store = self.cache.layer_rows(layer)  # [pages * 2 * page_size, Hkv, D]
         if self.kernel is not None:
-            return self.kernel(q, k, v, store)
+            return self.kernel(q, k, v, self.cache.layer_rows(layer))
+        keys, values = self.keys(layer, k, v)  # [B, Hkv, Lmax, D]
+        b, qmax, hq, d = self.meta.num_seqs, self.meta.max_q, q.shape[1], q.shape[2]
+        hkv = hq // self.group
+        q_pad = self.padded(q).view(b, qmax, hkv, self.group, d).permute(0, 2, 3, 1, 4)
+        q_pad = q_pad.reshape(b, hkv, self.group * qmax, d)
+        out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=self.mask)
+        out = out.view(b, hkv, self.group, qmax, d).permute(0, 3, 1, 2, 4)
+        return self.unpadded(out.reshape(b, qmax, hq, d))
+
+    def keys(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This forward's keys and values [T, Hkv, D] written to layer `layer`'s cache; every
+        sequence's keys and values after them [B, Hkv, Lmax, D] (the torch path only: a
+        model attending its own way, as MLA's expanded form does, reads them here)."""
+        assert self.kernel is None
+        store = self.cache.layer_rows(layer)  # [pages * 2 * page_size, Hkv, D]
         store[self.write_rows[0]] = cast(k, store.dtype)
         store[self.write_rows[1]] = cast(v, store.dtype)
-        meta = self.meta
-        b, qmax, lmax = meta.num_seqs, meta.max_q, meta.kv_slots.shape[1]
-        hq, d = q.shape[1], q.shape[2]
-        hkv = hq // self.group
-        q_pad = q
-        if not self.dense:
-            q_pad = q.new_zeros(b * qmax, hq, d)
-            q_pad[meta.q_index] = q
-        q_pad = q_pad.view(b, qmax, hkv, self.group, d).permute(0, 2, 3, 1, 4)
-        q_pad = q_pad.reshape(b, hkv, self.group * qmax, d)
         torch.index_select(store, 0, self.read_rows, out=self.kv)
-        kv = cast(self.kv, q.dtype).view(2, b, lmax, hkv, d)
-        keys, values = kv.transpose(2, 3).unbind(0)  # [B, Hkv, Lmax, D]
-        out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=self.mask)
-        out = out.view(b, hkv, self.group, qmax, d).permute(0, 3, 1, 2, 4).reshape(-1, hq, d)
-        return out if self.dense else out[meta.q_index]
+        b, lmax = self.meta.num_seqs, self.meta.kv_slots.shape[1]
+        kv = cast(self.kv, k.dtype).view(2, b, lmax, *store.shape[1:])
+        keys, values = kv.transpose(2, 3).unbind(0)
+        return keys, values
+
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, ...] as [B * Qmax, ...]: each sequence's rows then zero rows."""
+        if self.dense:
+            return x
+        out = x.new_zeros(self.meta.num_seqs * self.meta.max_q, *x.shape[1:])
+        out[self.meta.q_index] = x
+        return out
+
+    def unpadded(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, Qmax, ...] back to the forward's rows [T, ...]."""
+        x = x.reshape(-1, *x.shape[2:])
+        return x if self.dense else x[self.meta.q_index]
 
 
 INVARIANT_BLOCK = 64  # keys a block of the batch-invariant attention

@@ -10,7 +10,9 @@ all query heads (as multi-query attention), and its output, a mix of latents, is
 W_uv[h] afterwards. So the paged cache holds the latent and the rotary key a token (its
 num_kv_heads is 1, its head_dim kv_lora_rank + qk_rope_head_dim) and the engine's attention
 backends run it unchanged; the values are the keys themselves (the output's rotary columns
-are dropped), so the cache stores each token's row twice, as keys and as values.
+are dropped), so the cache stores each token's row twice, as keys and as values. Prefill
+chunks run the expanded form instead (each head's keys and values expanded from the cached
+latents), whose products are smaller when there are many queries.
 
 A MoE layer routes each token to `num_experts_per_tok` of `n_routed_experts` experts: sigmoid
 scores plus a correction bias choose them, only inside the `topk_group` best of `n_group`
@@ -33,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.attention import Attention
+from models.attention import Attention, TorchPagedAttention
 from models.llama import MLP, RMSNorm, rotate, run_layers
 from models.loader import (
     DTYPES,
@@ -45,7 +47,9 @@ from models.loader import (
 )
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
-LATENT_NORM_EPS = 1e-6  # the q and kv latents' norms (not the config's rms_norm_eps)
+LATENT_NORM_EPS = 1e-6
+# forwards of at least this many tokens (prefill chunks) run MLA expanded where they can
+EXPANDED_MIN_TOKENS = 128  # the q and kv latents' norms (not the config's rms_norm_eps)
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,7 @@ class LatentAttention(nn.Module):
         self.o_proj = nn.Linear(heads * cfg.v_head_dim, h, bias=bias)
         # the backends scale scores by 1 / sqrt(head_dim); MLA's own scale is folded in here
         self.q_scale = cfg.softmax_scale * math.sqrt(cfg.head_dim)
+        self.expanded_min_tokens = EXPANDED_MIN_TOKENS
 
     @torch.no_grad()
     def absorb(self) -> None:
@@ -241,11 +246,43 @@ class LatentAttention(nn.Module):
         c, k_rope = self.kv_a_proj_with_mqa(x).split((latent, rope), -1)
         k_rope = rotate(k_rope[:, None], cos, sin)[:, 0]
         k = torch.cat((self.kv_a_layernorm(c), k_rope), -1)[:, None]  # [T, 1, latent + rope]
-        q_latent = torch.einsum("thn,hnl->thl", q_nope, self.w_uk)  # W_uk folded into q
-        q = torch.cat((q_latent, rotate(q_rope, cos, sin)), -1) * self.q_scale
-        out = attn(self.layer, q, k, k)[..., :latent]  # one head, keys and values alike
-        out = torch.einsum("thl,hvl->thv", out, self.w_uv)
+        q_rope = rotate(q_rope, cos, sin)
+        if self.expanded(attn, t):
+            assert isinstance(attn, TorchPagedAttention)
+            out = self._expanded(attn, q_nope, q_rope, k)
+        else:
+            q_latent = torch.einsum("thn,hnl->thl", q_nope, self.w_uk)  # W_uk folded into q
+            q = torch.cat((q_latent, q_rope), -1) * self.q_scale
+            out = attn(self.layer, q, k, k)[..., :latent]  # one head, keys and values alike
+            out = torch.einsum("thl,hvl->thv", out, self.w_uv)
         return self.o_proj(out.reshape(t, cfg.num_heads * cfg.v_head_dim))
+
+    def expanded(self, attn: Attention, tokens: int) -> bool:
+        """Whether a forward runs the expanded form: a prefill chunk (at least
+        `expanded_min_tokens`) through torch's paged attention."""
+        torch_path = isinstance(attn, TorchPagedAttention) and attn.kernel is None
+        return torch_path and tokens >= self.expanded_min_tokens
+
+    def _expanded(
+        self, attn: TorchPagedAttention, q_nope: torch.Tensor, q_rope: torch.Tensor,
+        k: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """[T, H, v_head_dim]: every key and value expanded from the cached latents, each
+        head attending its own (the absorbed form's result, in fewer products when there are
+        many queries: scores over qk_head_dim rather than kv_lora_rank + qk_rope_head_dim)."""
+        cfg, meta = self.cfg, attn.meta
+        latents, _ = attn.keys(self.layer, k, k)  # [B, 1, Lmax, latent + rope]
+        c, k_rope = latents[:, 0].split((cfg.kv_lora_rank, cfg.qk_rope_head_dim), -1)
+        k_nope = torch.einsum("bsl,hnl->bhsn", c, self.w_uk)  # [B, H, Lmax, nope]
+        values = torch.einsum("bsl,hvl->bhsv", c, self.w_uv)  # [B, H, Lmax, v]
+        keys = torch.cat((k_nope, k_rope[:, None].expand(-1, cfg.num_heads, -1, -1)), -1)
+        q = attn.padded(torch.cat((q_nope, q_rope), -1))  # [B * Qmax, H, qk]
+        q = q.view(meta.num_seqs, meta.max_q, cfg.num_heads, -1).transpose(1, 2)
+        visible = meta.visible()[:, None]  # [B, 1, Qmax, Lmax]
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=visible, scale=cfg.softmax_scale
+        )
+        return attn.unpadded(out.transpose(1, 2))
 
 
 class Router(nn.Module):

@@ -12,8 +12,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from engine.request import SamplingParams
-from models.attention import CausalAttention
-from models.deepseek import DeepseekModel, MoE, load_deepseek
+from models.attention import CausalAttention, TorchPagedAttention
+from models.deepseek import DeepseekModel, LatentAttention, MoE, load_deepseek
 from models.llama import prepare_for_inference
 from models.loader import CheckpointError, load_model
 from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
@@ -95,14 +95,28 @@ def hf_logits(model: transformers.PreTrainedModel, tokens: list[int]) -> torch.T
         return model(torch.tensor([tokens])).logits[0].float()
 
 
+class TorchOnly(TorchPagedAttention):
+    native_max_q = -1  # every forward through torch's products, where MLA can run expanded
+
+
+def run_forms(model: DeepseekModel, form: str) -> None:
+    """Every forward of `model` in MLA's absorbed or expanded form."""
+    for sub in model.modules():
+        if isinstance(sub, LatentAttention):
+            sub.expanded_min_tokens = 0 if form == "expanded" else 1 << 30
+
+
+@pytest.mark.parametrize("form", ["absorbed", "expanded"])
 @pytest.mark.parametrize("prepared", [False, True], ids=["plain", "inference-kernels"])
-def test_paged_prefill_decode_verify_match_transformers(checkpoint, prepared):
+def test_paged_prefill_decode_verify_match_transformers(checkpoint, prepared, form):
     name, root, reference = checkpoint
     model = load_model(root)
     assert isinstance(model, DeepseekModel)
     if prepared:
         prepare_for_inference(model)
-    runner = PagedRunner(model, num_seqs=3)
+    run_forms(model, form)
+    backend = TorchOnly if form == "expanded" else TorchPagedAttention
+    runner = PagedRunner(model, num_seqs=3, attention=backend)
     vocab = model.config.vocab_size
     schedule = [[7, 3, 10]] + [[1, 1, 1]] * 3 + [[3, 5, 4], [5, 4, 3]]
     outputs = []
@@ -115,6 +129,21 @@ def test_paged_prefill_decode_verify_match_transformers(checkpoint, prepared):
         want = expected[seq][start : start + len(got)]
         assert (got - want).abs().max().item() <= TOLERANCE, (name, seq, start)
     assert expected[0].abs().max() > 1.0  # the check is not vacuous
+
+
+def test_the_absorbed_and_expanded_forms_agree(checkpoint):
+    """Prefill, decodes and verifies of a batch in each form, over the same cache layout."""
+    _, root, _ = checkpoint
+    logits = {}
+    for form in ("absorbed", "expanded"):
+        model = load_deepseek(root, torch.float32, "cpu")
+        run_forms(model, form)
+        runner = PagedRunner(model, num_seqs=2, attention=TorchOnly)
+        torch.manual_seed(1)
+        steps = [[torch.randint(0, 300, (n,)).tolist() for n in lengths]
+                 for lengths in ([9, 14], [1, 1], [1, 1], [4, 3])]  # fmt: skip
+        logits[form] = torch.cat([torch.cat(runner.step(chunks)) for chunks in steps])
+    torch.testing.assert_close(logits["expanded"], logits["absorbed"], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("chunk", [0, 8], ids=["whole-prefill", "chunked-prefill"])
