@@ -24,6 +24,7 @@ see every token. The first `first_k_dense_replace` layers are dense.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import re
 from collections.abc import Callable
@@ -33,12 +34,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from models.attention import Attention, TorchPagedAttention
 from models.llama import MLP, RMSNorm, rotate, run_layers
 from models.loader import (
+    CONFIG,
     DTYPES,
+    WEIGHTS,
     CheckpointError,
     _first_id,
     iter_safetensors,
@@ -48,6 +52,7 @@ from models.loader import (
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 LATENT_NORM_EPS = 1e-6
+BIAS_RATE = 1e-3  # the router bias's step towards balanced experts while training (its gamma)
 # forwards of at least this many tokens (prefill chunks) run MLA expanded where they can
 EXPANDED_MIN_TOKENS = 128  # the q and kv latents' norms (not the config's rms_norm_eps)
 
@@ -213,9 +218,7 @@ class LatentAttention(nn.Module):
         `rope_interleave` the rotary rows of the q and kv projections put in rotate-half
         order (evens, then odds): the rotation of pairs becomes the usual one."""
         cfg = self.cfg
-        assert self.kv_b_proj is not None
-        w = self.kv_b_proj.weight.view(cfg.num_heads, -1, cfg.kv_lora_rank)
-        w_uk, w_uv = w.split((cfg.qk_nope_head_dim, cfg.v_head_dim), 1)
+        w_uk, w_uv = self._split_kv_b()
         self.register_buffer("w_uk", w_uk.contiguous(), persistent=False)
         self.register_buffer("w_uv", w_uv.contiguous(), persistent=False)
         self.kv_b_proj = None
@@ -232,11 +235,27 @@ class LatentAttention(nn.Module):
         if kv.bias is not None:
             kv.bias[cfg.kv_lora_rank :] = kv.bias[cfg.kv_lora_rank :][order]
 
+    def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_uk, W_uv): views of kv_b_proj's weight (training: their gradients reach it), or
+        the absorbed copies."""
+        if self.kv_b_proj is None:
+            return self.w_uk, self.w_uv
+        if self.cfg.rope_interleave:  # its rotary rows are reordered when absorbed
+            raise ValueError("a model with rope_interleave runs absorbed: train without it")
+        return self._split_kv_b()
+
+    def _split_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.kv_b_proj is not None
+        w = self.kv_b_proj.weight.view(self.cfg.num_heads, -1, self.cfg.kv_lora_rank)
+        w_uk, w_uv = w.split((self.cfg.qk_nope_head_dim, self.cfg.v_head_dim), 1)
+        return w_uk, w_uv
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Attention
     ) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]
         nope, rope, latent = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        w_uk, w_uv = self.up_projections()
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:
@@ -249,12 +268,12 @@ class LatentAttention(nn.Module):
         q_rope = rotate(q_rope, cos, sin)
         if self.expanded(attn, t):
             assert isinstance(attn, TorchPagedAttention)
-            out = self._expanded(attn, q_nope, q_rope, k)
+            out = self._expanded(attn, q_nope, q_rope, k, w_uk, w_uv)
         else:
-            q_latent = torch.einsum("thn,hnl->thl", q_nope, self.w_uk)  # W_uk folded into q
+            q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)  # W_uk folded into q
             q = torch.cat((q_latent, q_rope), -1) * self.q_scale
             out = attn(self.layer, q, k, k)[..., :latent]  # one head, keys and values alike
-            out = torch.einsum("thl,hvl->thv", out, self.w_uv)
+            out = torch.einsum("thl,hvl->thv", out, w_uv)
         return self.o_proj(out.reshape(t, cfg.num_heads * cfg.v_head_dim))
 
     def expanded(self, attn: Attention, tokens: int) -> bool:
@@ -265,7 +284,7 @@ class LatentAttention(nn.Module):
 
     def _expanded(
         self, attn: TorchPagedAttention, q_nope: torch.Tensor, q_rope: torch.Tensor,
-        k: torch.Tensor,
+        k: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         """[T, H, v_head_dim]: every key and value expanded from the cached latents, each
         head attending its own (the absorbed form's result, in fewer products when there are
@@ -273,8 +292,8 @@ class LatentAttention(nn.Module):
         cfg, meta = self.cfg, attn.meta
         latents, _ = attn.keys(self.layer, k, k)  # [B, 1, Lmax, latent + rope]
         c, k_rope = latents[:, 0].split((cfg.kv_lora_rank, cfg.qk_rope_head_dim), -1)
-        k_nope = torch.einsum("bsl,hnl->bhsn", c, self.w_uk)  # [B, H, Lmax, nope]
-        values = torch.einsum("bsl,hvl->bhsv", c, self.w_uv)  # [B, H, Lmax, v]
+        k_nope = torch.einsum("bsl,hnl->bhsn", c, w_uk)  # [B, H, Lmax, nope]
+        values = torch.einsum("bsl,hvl->bhsv", c, w_uv)  # [B, H, Lmax, v]
         keys = torch.cat((k_nope, k_rope[:, None].expand(-1, cfg.num_heads, -1, -1)), -1)
         q = attn.padded(torch.cat((q_nope, q_rope), -1))  # [B * Qmax, H, qk]
         q = q.view(meta.num_seqs, meta.max_q, cfg.num_heads, -1).transpose(1, 2)
@@ -305,6 +324,10 @@ class Router(nn.Module):
         kept = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best, True)
         choice = choice.masked_fill(~kept.repeat_interleave(cfg.experts_per_group, 1), -math.inf)
         experts = choice.topk(cfg.num_experts_per_tok, -1).indices
+        if self.training:  # DeepSeek-V3's balancing without a loss: the bias follows the load
+            with torch.no_grad():
+                load = torch.bincount(experts.flatten(), minlength=cfg.n_routed_experts).float()
+                self.e_score_correction_bias += BIAS_RATE * torch.sign(load.mean() - load)
         weights = scores.gather(1, experts)
         if cfg.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -592,3 +615,85 @@ def _stacked_experts(
         layer, e, proj = min(experts)
         raise CheckpointError(f"unexpected expert {e} of layer {layer} ({proj}_proj)")
     return state
+
+
+# ---------------------------------------------------------------- saving
+
+
+def config_to_hf(cfg: DeepseekConfig, dtype: torch.dtype, mtp_layers: int = 0) -> dict[str, Any]:
+    """config.json contents transformers' DeepseekV3Config and `config_from_hf` read."""
+    rope = {"rope_type": "yarn", **cfg.rope_scaling} if cfg.rope_scaling else None
+    return {
+        "architectures": [ARCHITECTURE], "model_type": "deepseek_v3",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_heads,
+        "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim, "moe_intermediate_size": cfg.moe_intermediate_size,
+        "n_routed_experts": cfg.n_routed_experts, "n_shared_experts": cfg.n_shared_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok, "n_group": cfg.n_group,
+        "topk_group": cfg.topk_group, "norm_topk_prob": cfg.norm_topk_prob,
+        "routed_scaling_factor": cfg.routed_scaling_factor,
+        "first_k_dense_replace": cfg.first_k_dense_replace, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_scaling": rope, "rope_interleave": cfg.rope_interleave,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.attention_bias,
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+        "hidden_act": "silu", "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+        "num_nextn_predict_layers": mtp_layers, "torch_dtype": str(dtype).removeprefix("torch."),
+    }  # fmt: skip
+
+
+def published(state: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> dict:
+    """Our tensors under DeepSeek's published names (`prefix` before each, the routed experts
+    one tensor each), in `dtype` but the router's (float32)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        t = t.detach().to("cpu", torch.float32 if name.endswith(FLOAT32_KEPT) else dtype)
+        if name.endswith("experts.gate_up_proj"):
+            base = prefix + name.removesuffix("gate_up_proj")
+            for e, (gate, up) in enumerate(zip(*t.chunk(2, 1), strict=True)):
+                out |= {f"{base}{e}.gate_proj.weight": gate, f"{base}{e}.up_proj.weight": up}
+        elif name.endswith("experts.down_proj"):
+            base = prefix + name.removesuffix("down_proj")
+            out |= {f"{base}{e}.down_proj.weight": down for e, down in enumerate(t)}
+        else:
+            out[prefix + name] = t
+    return {name: t.contiguous() for name, t in out.items()}
+
+
+def save_deepseek(
+    model: DeepseekModel, directory: str | Path, dtype: torch.dtype = torch.bfloat16
+) -> None:
+    """config.json and model.safetensors of a model not yet absorbed (as trained), readable
+    by `load_deepseek` and by transformers."""
+    cfg = model.config
+    if any(isinstance(m, LatentAttention) and m.kv_b_proj is None for m in model.modules()):
+        raise ValueError("an absorbed model no longer holds kv_b_proj: save it before")
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    state = dict(model.state_dict())
+    if cfg.tie_word_embeddings:
+        del state["lm_head.weight"]
+    tensors = published({n: t for n, t in state.items() if n != "lm_head.weight"}, "model.", dtype)
+    if "lm_head.weight" in state:
+        tensors["lm_head.weight"] = state["lm_head.weight"].detach().to("cpu", dtype)
+    save_file(tensors, str(root / WEIGHTS), metadata={"format": "pt"})
+    (root / CONFIG).write_text(json.dumps(config_to_hf(cfg, dtype), indent=2) + "\n")
+
+
+def save_mtp_layer(
+    state: dict[str, torch.Tensor], directory: str | Path, dtype: torch.dtype = torch.bfloat16
+) -> None:
+    """An MTP head's tensors (models/mtp.py names) added to the DeepSeek checkpoint in
+    `directory` as its layer `num_hidden_layers` (DeepSeek's placement and names); the layer
+    there before, if any, replaced. The shared embedding and head are not copied."""
+    root = Path(directory)
+    d = read_config(root)
+    layer = f"model.layers.{d['num_hidden_layers']}."
+    tensors = {n: t for n, t in load_file(str(root / WEIGHTS)).items() if not n.startswith(layer)}
+    ours = {name.removeprefix("block."): t for name, t in state.items()}
+    tensors |= published(ours, layer, dtype)
+    save_file(tensors, str(root / WEIGHTS), metadata={"format": "pt"})
+    (root / CONFIG).write_text(json.dumps(d | {"num_nextn_predict_layers": 1}, indent=2) + "\n")

@@ -124,9 +124,11 @@ class MTPHead(nn.Module):
 
 
 def save_mtp_head(head: MTPHead, directory: str | Path, dtype: torch.dtype = torch.float32) -> None:
-    """A standalone head directory (config.json and model.safetensors) for `load_mtp_head`."""
-    if not isinstance(head.config, LlamaConfig):
-        raise ValueError("a DeepSeek MTP layer is read from its model's checkpoint, not saved")
+    """A standalone head directory (config.json and model.safetensors) for `load_mtp_head`;
+    a DeepSeek head goes into its target's checkpoint in `directory` (its MTP layer)."""
+    if isinstance(head.config, DeepseekConfig):  # into the target's checkpoint, as DeepSeek's
+        deepseek.save_mtp_layer(head.state_dict(), directory, dtype)
+        return
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     config = config_to_hf(dataclasses.replace(head.config, architecture="LlamaForCausalLM"), dtype)

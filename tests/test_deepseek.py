@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.request import SamplingParams
 from models.attention import CausalAttention, TorchPagedAttention
-from models.deepseek import DeepseekModel, LatentAttention, MoE, load_deepseek
+from models.deepseek import DeepseekModel, LatentAttention, MoE, load_deepseek, save_deepseek
 from models.llama import prepare_for_inference
 from models.loader import CheckpointError, load_model
 from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
@@ -371,3 +371,47 @@ def test_sampled_output_with_the_checkpoints_mtp_follows_the_target(tmp_path, k)
     observed = asyncio.run(draws())
     assert sum(observed.values()) == stats.N
     stats.assert_law(observed, expected, stats.N)
+
+
+# ---------------------------------------------------------------- training and saving
+
+
+def test_a_model_trained_here_saves_for_transformers_and_for_the_engine(tmp_path):
+    """train/objectives.py's DeepSeek target, one training step (its gradients reach the
+    latent up-projection and the router, the router's bias moves towards balance), saved:
+    transformers and our loader read the same logits from it, and so does its MTP head."""
+    import dataclasses
+
+    from models.mtp import MTPHead, load_mtp_head, save_mtp_head
+    from train import objectives
+
+    cfg = objectives.deepseek_config(320, 0)
+    torch.manual_seed(0)
+    model = DeepseekModel(cfg)
+    objectives.init_weights(model)
+    batch = torch.randint(0, 320, (2, 33))
+    objectives.lm_loss(model, batch).backward()
+    attention = model.layers[1].self_attn
+    assert attention.kv_b_proj.weight.grad.abs().sum() > 0
+    assert model.layers[1].mlp.gate.weight.grad.abs().sum() > 0
+    assert model.layers[1].mlp.gate.e_score_correction_bias.abs().sum() > 0
+    model.eval()
+    save_deepseek(model, tmp_path, torch.float32)
+    write_tokenizer(tmp_path)
+    ids = batch[:1, :20]
+    with torch.no_grad():
+        ours = objectives.forward_logits(model, ids)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)(ids).logits[0]
+        loaded = objectives.forward_logits(load_model(tmp_path), ids)
+    assert (theirs - ours).abs().max().item() <= TOLERANCE
+    assert (loaded - ours).abs().max().item() <= TOLERANCE
+
+    head = MTPHead(dataclasses.replace(cfg, num_layers=1), model)
+    objectives.init_weights(head)
+    save_mtp_head(head.eval(), tmp_path, torch.float32)
+    loaded_head = load_mtp_head(tmp_path, load_model(tmp_path))
+    hidden = torch.randn(19, cfg.hidden_size)
+    with torch.no_grad():
+        want = head(ids[0, 1:], hidden, torch.arange(1, 20), CausalAttention(1, 19))
+        got = loaded_head(ids[0, 1:], hidden, torch.arange(1, 20), CausalAttention(1, 19))
+    assert (got - want).abs().max().item() <= TOLERANCE and want.abs().max() > 0.1

@@ -10,6 +10,8 @@ Face directories. The steps, in order:
     python -m train.lm draft --run-dir RUN --minutes 15
     python -m train.lm eval --run-dir RUN
 
+    python -m train.lm target --run-dir RUN --arch deepseek --out models/demo/deepseek
+
 `target` and `draft` checkpoint every few minutes; `--resume` continues a run (and, once the
 budget is spent, only exports it again).
 """
@@ -25,7 +27,9 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from models.deepseek import DeepseekModel, save_deepseek
 from models.llama import LlamaModel
+from models.loader import save_pretrained
 from train import bpe, corpus, data, objectives
 from train.loop import TrainConfig, train
 
@@ -54,14 +58,12 @@ def split_tokens(run_dir: Path, tok: Tokenizer, split: str) -> np.ndarray:
     return tokens
 
 
-def export(model: LlamaModel, tok: Tokenizer, out: Path) -> None:
+def export(model: LlamaModel | DeepseekModel, tok: Tokenizer, out: Path) -> None:
     """Write the model (bfloat16 safetensors, config.json) and the tokenizer files to `out`."""
-    try:
-        from models.loader import save_pretrained
-    except ImportError:
-        log.error("models.loader is not there yet; rerun with --resume to export to %s", out)
-        return
-    save_pretrained(model, out, dtype=torch.bfloat16)
+    if isinstance(model, DeepseekModel):
+        save_deepseek(model, out, dtype=torch.bfloat16)
+    else:
+        save_pretrained(model, out, dtype=torch.bfloat16)
     bpe.save_tokenizer(tok, out, model.config.max_position_embeddings)
     log.info("exported %s", out)
 
@@ -100,7 +102,12 @@ def cmd_target(args: argparse.Namespace) -> None:
         split_tokens(args.run_dir, tok, "heldout"), HELDOUT_WINDOWS, cfg.seq
     )
     torch.manual_seed(cfg.seed)
-    model = LlamaModel(objectives.target_config(tok.get_vocab_size(), bpe.eos_id(tok)))
+    vocab, eos = tok.get_vocab_size(), bpe.eos_id(tok)
+    model: LlamaModel | DeepseekModel
+    if args.arch == "deepseek":
+        model = DeepseekModel(objectives.deepseek_config(vocab, eos))
+    else:
+        model = LlamaModel(objectives.target_config(vocab, eos))
     objectives.init_weights(model)
     log.info("target: %.1fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
     sampler = data.WindowSampler(tokens, cfg.batch, cfg.seq, cfg.seed)
@@ -176,6 +183,9 @@ def parser() -> argparse.ArgumentParser:
         t.add_argument("--max-steps", type=int, default=0, help="stop early (smoke tests)")
         t.add_argument("--resume", action="store_true", help="continue from the checkpoint")
         t.add_argument("--out", type=Path, default=Path("models/demo") / name)
+    target = sub.choices["target"]
+    arch = "deepseek: a DeepSeek-V3-style target (train/objectives.py deepseek_config)"
+    target.add_argument("--arch", choices=("llama", "deepseek"), default="llama", help=arch)
     draft = sub.choices["draft"]
     draft.add_argument("--target", type=Path, default=Path("models/demo/target"))
     draft.add_argument("--layers", type=int, default=1)

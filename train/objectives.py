@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.attention import CausalAttention
+from models.deepseek import DeepseekConfig
 from models.llama import LlamaConfig, LlamaModel
 
 
@@ -44,15 +45,51 @@ def draft_config(vocab_size: int, eos_id: int, num_layers: int = 1) -> LlamaConf
     )
 
 
-def init_weights(model: LlamaModel, std: float = 0.02) -> None:
-    """GPT-2 style: small normal weights; the residual outputs shrink with depth."""
-    residual_std = std / math.sqrt(2 * model.config.num_layers)
+def deepseek_config(vocab_size: int, eos_id: int) -> DeepseekConfig:
+    """A DeepSeek-V3-style target small enough to commit with its MTP layer in 10 MB
+    (bfloat16): latent attention, a dense first layer, then 8 experts in 2 groups, 2 a token
+    and a shared one; tied embeddings; rotate-half rotary (training runs it unabsorbed)."""
+    return DeepseekConfig(
+        vocab_size=vocab_size,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=3,
+        num_heads=4,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        moe_intermediate_size=128,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        first_k_dense_replace=1,
+        rope_interleave=False,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+    )
+
+
+def init_weights(model: nn.Module, std: float = 0.02) -> None:
+    """GPT-2 style: small normal weights; the residual outputs shrink with depth (the stacked
+    experts of a MoE alike)."""
+    residual_std = std / math.sqrt(2 * model.config.num_layers)  # type: ignore[operator]
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear | nn.Embedding):
             out_proj = name.endswith(("o_proj", "down_proj"))
             nn.init.normal_(module.weight, std=residual_std if out_proj else std)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
+    for name, param in model.named_parameters():
+        if name.endswith(("experts.gate_up_proj", "mlp.gate.weight")):
+            nn.init.normal_(param, std=std)
+        elif name.endswith("experts.down_proj"):
+            nn.init.normal_(param, std=residual_std)
 
 
 def forward_logits(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
