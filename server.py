@@ -556,6 +556,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the number of rows a forward has or prompt chunking): slower, CPU float32 only",
     )
     parser.add_argument(
+        "--moe-micro-batches",
+        type=int,
+        choices=[1, 2],
+        default=1,
+        help="a MoE target's expert layers run each forward's tokens in this many halves",
+    )
+    parser.add_argument(
         "--quantization",
         choices=["int8"],
         help="weight-only int8 linears (a scale per output row): a quarter of float32's "
@@ -615,6 +622,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, S
             device=a.device,
             attention=a.attention,
             batch_invariant=a.batch_invariant,
+            moe_micro_batches=a.moe_micro_batches,
             quantization=a.quantization,
             dtype=a.dtype,
             max_running=a.max_running,

@@ -27,6 +27,7 @@ from kv.cache import KVCache
 from kv.pages import PageAllocator
 from kv.prefix import PrefixIndex
 from models.attention import AttentionBackend, InvariantAttention, TorchPagedAttention
+from models.deepseek import MoE
 from models.eagle import load_eagle_head
 from models.flashinfer_backend import FLASHINFER_HEAD_DIMS, FlashInferBackend
 from models.gguf import packaged_smollm2
@@ -214,6 +215,8 @@ class Builder:
         if head and self.shard is not None:
             shard_module(model, self.shard, vocab=False)
         prepare_for_inference(model, cfg.batch_invariant, int8=cfg.quantization == "int8")
+        for moe in (m for m in model.modules() if isinstance(m, MoE)):
+            moe.micro_batches = cfg.moe_micro_batches
         self.memory["weights"] += held_bytes(model)
 
     def cache_for(self, model: Any, num_pages: int) -> KVCache:

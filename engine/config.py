@@ -186,6 +186,9 @@ class EngineConfig:
     # of rows or how a prompt was chunked (greedy output then equals plain decoding's with no
     # near-tie exception); slower linears at one row and blocked attention
     batch_invariant: bool = False
+    # a MoE target's expert layers run each forward's tokens in this many micro-batches
+    # (1 or 2: the source design's two halves of a verify batch)
+    moe_micro_batches: int = 1
     # "int8": every linear weight-only int8 (one scale per output row), a quarter of the
     # bytes each forward streams; None: the weights as loaded
     quantization: str | None = None
@@ -232,6 +235,8 @@ class EngineConfig:
             raise ValueError(
                 "FlashInfer has no float32 kernels: --dtype bfloat16 or float16 with it"
             )
+        if self.moe_micro_batches not in (1, 2):
+            raise ValueError(f"moe_micro_batches must be 1 or 2, got {self.moe_micro_batches}")
         if self.batch_invariant and self.backend != "torch":
             raise ValueError("batch-invariant mode runs the torch attention backend only")
         if self.quantization not in QUANTIZATIONS:

@@ -372,12 +372,16 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
         self.shared_experts = MLP(cfg, shared) if shared else None  # type: ignore[arg-type]
+        # 2: a forward's tokens (a verify's 2 x D) in two micro-batches, one after the other
+        # (on GPUs the second's expert traffic overlaps the first's compute); the same rows
+        self.micro_batches = 1
 
-    def forward(self, x: torch.Tensor, halves: bool = False) -> torch.Tensor:
-        """`halves`: the tokens in two micro-batches, one after the other (on GPUs the second's
-        expert traffic overlaps the first's compute); the same rows either way."""
-        if halves and x.shape[0] > 1:
-            return torch.cat([self(part) for part in x.chunk(2)])
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.micro_batches == 2 and x.shape[0] > 1:
+            return torch.cat([self._one_pass(part) for part in x.chunk(2)])
+        return self._one_pass(x)
+
+    def _one_pass(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, *self.gate(x))
         return out + self.shared_experts(x) if self.shared_experts is not None else out
 

@@ -146,11 +146,16 @@ def test_the_absorbed_and_expanded_forms_agree(checkpoint):
     torch.testing.assert_close(logits["expanded"], logits["absorbed"], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("chunk", [0, 8], ids=["whole-prefill", "chunked-prefill"])
-async def test_the_engine_decodes_as_transformers_greedy(checkpoint, chunk):
+@pytest.mark.parametrize(
+    "chunk, micro_batches",
+    [(0, 1), (8, 1), (0, 2)],
+    ids=["whole-prefill", "chunked-prefill", "moe-in-two-micro-batches"],
+)
+async def test_the_engine_decodes_as_transformers_greedy(checkpoint, chunk, micro_batches):
     name, root, reference = checkpoint
     prompts = ragged_prompts(4, reference.config.vocab_size, seed=5)
     kw = {"max_batch_tokens": chunk} if chunk else {}
+    kw["moe_micro_batches"] = micro_batches
     async with running(make_config(root, **kw)) as engine:
         params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
         outs = [token_ids(await engine.generate(p, params)) for p in prompts]
@@ -169,8 +174,10 @@ def test_moe_in_two_halves_and_by_expert_equals_one_gathered_pass(checkpoint):
     moe = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE))
     x = torch.randn(10, model.config.hidden_size)
     with torch.no_grad():
-        whole, halves = moe(x), moe(x, halves=True)
-        moe.experts.gathered_max_tokens = 0
+        whole = moe(x)
+        moe.micro_batches = 2
+        halves = moe(x)
+        moe.micro_batches, moe.experts.gathered_max_tokens = 1, 0
         by_expert = moe(x)
     # within 1e-5 of rows whose entries reach ~50: float32 rounding of other sums' orders
     torch.testing.assert_close(halves, whole, rtol=1e-5, atol=1e-5)
@@ -415,3 +422,10 @@ def test_a_model_trained_here_saves_for_transformers_and_for_the_engine(tmp_path
         want = head(ids[0, 1:], hidden, torch.arange(1, 20), CausalAttention(1, 19))
         got = loaded_head(ids[0, 1:], hidden, torch.arange(1, 20), CausalAttention(1, 19))
     assert (got - want).abs().max().item() <= TOLERANCE and want.abs().max() > 0.1
+
+
+def test_micro_batches_are_one_or_two():
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="moe_micro_batches must be 1 or 2"):
+        EngineConfig(moe_micro_batches=3)
