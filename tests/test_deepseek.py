@@ -4,10 +4,12 @@ random checkpoints: paged forwards, the engine's greedy output, the loader's lay
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
 
@@ -73,6 +75,8 @@ def hf_model(name: str, vocab: int, seed: int = 0) -> transformers.PreTrainedMod
         for param_name, p in model.named_parameters():
             if "norm" in param_name:
                 p.uniform_(0.5, 1.5)
+            elif param_name.endswith("mlp.gate.weight"):  # router logits of about unit size:
+                p.normal_(0.0, cfg.hidden_size**-0.5)  # sigmoids short of saturation, apart
             else:
                 p.normal_(0.0, 0.3)
         for buffer_name, b in model.named_buffers():
@@ -88,6 +92,37 @@ def checkpoint(request, tmp_path_factory):
     reference = hf_model(request.param, write_tokenizer(root))
     reference.save_pretrained(root)
     return request.param, root, reference
+
+
+def router_margins(reference: transformers.PreTrainedModel, tokens: list[list[int]]) -> float:
+    """The smallest margin of any routing choice transformers makes over these sequences: a
+    kept group's score over the best dropped one's, a chosen expert's over the best one left
+    (below ~1e-4, float rounding could flip a choice and the logits with it)."""
+    margins: list[float] = []
+
+    def hook(router, args, _output):
+        scores = F.linear(args[0].view(-1, router.hidden_dim).float(), router.weight.float())
+        choice = scores.sigmoid() + router.e_score_correction_bias
+        groups = choice.view(-1, router.num_group, router.num_experts // router.num_group)
+        group_scores = groups.topk(2, -1).values.sum(-1).sort(-1, descending=True).values
+        if router.topk_group < router.num_group:
+            gap = group_scores[:, router.topk_group - 1] - group_scores[:, router.topk_group]
+            margins.append(gap.min().item())
+        kept = group_scores[:, router.topk_group - 1 : router.topk_group]
+        allowed = groups.topk(2, -1).values.sum(-1) >= kept  # the kept groups
+        masked = groups.masked_fill(~allowed[..., None], -math.inf).flatten(1)
+        best = masked.sort(-1, descending=True).values
+        k = router.top_k
+        margins.append((best[:, k - 1] - best[:, k]).min().item())
+
+    handles = [m.register_forward_hook(hook) for m in reference.modules()
+               if type(m).__name__ == "DeepseekV3TopkRouter"]  # fmt: skip
+    with torch.no_grad():
+        for t in tokens:
+            reference(torch.tensor([t]))
+    for h in handles:
+        h.remove()
+    return min(margins)
 
 
 def hf_logits(model: transformers.PreTrainedModel, tokens: list[int]) -> torch.Tensor:
@@ -129,6 +164,7 @@ def test_paged_prefill_decode_verify_match_transformers(checkpoint, prepared, fo
         want = expected[seq][start : start + len(got)]
         assert (got - want).abs().max().item() <= TOLERANCE, (name, seq, start)
     assert expected[0].abs().max() > 1.0  # the check is not vacuous
+    assert router_margins(reference, runner.tokens) > 1e-4  # no choice turned on rounding
 
 
 def test_the_absorbed_and_expanded_forms_agree(checkpoint):
@@ -242,7 +278,12 @@ def with_mtp_layer(reference: transformers.PreTrainedModel, root, seed: int = 1)
     layer = mtp.layers[0]
     with torch.no_grad():
         for name, p in layer.named_parameters():
-            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.3)
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight"):  # as hf_model's routers
+                p.normal_(0.0, reference.config.hidden_size**-0.5)
+            else:
+                p.normal_(0.0, 0.3)
         for name, b in layer.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.1)
