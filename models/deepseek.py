@@ -52,6 +52,7 @@ from models.loader import (
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 LATENT_NORM_EPS = 1e-6
+INIT_STD = 0.02  # a fresh router's and experts' weights (transformers' initializer_range)
 BIAS_RATE = 1e-3  # the router bias's step towards balanced experts while training (its gamma)
 # forwards of at least this many tokens (prefill chunks) run MLA expanded where they can
 EXPANDED_MIN_TOKENS = 128  # the q and kv latents' norms (not the config's rms_norm_eps)
@@ -313,6 +314,7 @@ class Router(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        nn.init.normal_(self.weight, std=INIT_STD)  # (a no-op for a model about to be loaded)
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -347,6 +349,8 @@ class Experts(nn.Module):
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        for p in (self.gate_up_proj, self.down_proj):  # (no-ops for a model about to be loaded)
+            nn.init.normal_(p, std=INIT_STD)
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
