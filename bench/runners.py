@@ -44,6 +44,7 @@ from engine.engine import AsyncEngine
 from engine.request import FinishReason, SamplingParams
 from engine.trace import Tracer
 from kv.cache import KVCache
+from models.deepseek import DeepseekModel
 from models.llama import LlamaModel
 from stages.draft import NoDrafter
 
@@ -325,7 +326,7 @@ def forward_call(
     attn, positions = paged_attention(tables, cache, cfg.num_heads, context, q_len)
     ids = torch.randint(vocab, (batch * q_len,))  # [T]
     rows = slice(q_len - 1, None, q_len) if last_logits else slice(None)  # of the [T] tokens
-    if isinstance(module, LlamaModel):
+    if isinstance(module, LlamaModel | DeepseekModel):
         return lambda: module.logits(module(ids, positions, attn)[0][rows])
     hidden = torch.randn(batch * q_len, cfg.hidden_size)  # [T, H]
     return lambda: module.logits(module(ids, hidden, positions, attn)[rows])

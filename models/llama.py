@@ -197,7 +197,12 @@ def prepare_for_inference(
             assert sub.gate_proj is not None and sub.up_proj is not None
             sub.gate_up = FusedLinear([sub.gate_proj, sub.up_proj], int8)
             sub.gate_proj = sub.up_proj = None
-    tied = isinstance(module, LlamaModel) and module.lm_head.weight is module.embed_tokens.weight
+    lm_head, embed = getattr(module, "lm_head", None), getattr(module, "embed_tokens", None)
+    tied = (  # a model's (a head has no embedding of its own)
+        isinstance(lm_head, nn.Linear)
+        and isinstance(embed, nn.Embedding)
+        and lm_head.weight is embed.weight
+    )
     fuse_linears(module, int8)
     # (a vocabulary split over tensor-parallel ranks keeps its embedding's rows apart)
     if tied and not int8 and isinstance(module.lm_head, FusedLinear):
