@@ -33,7 +33,7 @@ from models.flashinfer_backend import FLASHINFER_HEAD_DIMS, FlashInferBackend
 from models.gguf import packaged_smollm2
 from models.linear import held_bytes
 from models.llama import LlamaModel, prepare_for_inference
-from models.loader import load_model
+from models.loader import load_model, read_config
 from models.mtp import load_mtp_head
 from models.parallel import shard_module
 from models.tokenizer import Tokenizer
@@ -353,9 +353,14 @@ class Builder:
 
     def _head_dir(self, spec: SpecConfig, method: str, name: str) -> Path:
         """The head directory given with --draft; without one, the head that ships for the
-        named target (SHIPPED_HEADS)."""
+        named target (SHIPPED_HEADS), or for MTP the target's own MTP layer where its
+        checkpoint carries one (DeepSeek's `num_nextn_predict_layers`)."""
         if spec.draft:
             return Path(spec.draft)
+        target = model_path(self.config.model)
+        if method == "mtp" and target.is_dir():
+            if read_config(target).get("num_nextn_predict_layers", 0) >= 1:
+                return target
         shipped = SHIPPED_HEADS.get(self.config.model, {}).get(method)
         if shipped is None or not shipped.is_dir():
             raise ValueError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -362,7 +363,8 @@ async def test_greedy_with_the_checkpoints_mtp_equals_plain(with_mtp, k, request
         plain = await staggered(engine, prompts, GREEDY, seed=1)
     if k == 1:
         request.getfixturevalue("forbid_host_sync")
-    async with running(make_config(root, "mtp", root, k=k, max_batch_tokens=64)) as engine:
+    draft = root if k == 1 else None  # without a --draft, the target's own MTP layer
+    async with running(make_config(root, "mtp", draft, k=k, max_batch_tokens=64)) as engine:
         outs = await staggered(engine, prompts, GREEDY, seed=1)
         usage = (await engine.generate(prompts[0], GREEDY))[-1].usage
         await engine.wait_idle()
@@ -470,3 +472,21 @@ def test_micro_batches_are_one_or_two():
 
     with pytest.raises(ValueError, match="moe_micro_batches must be 1 or 2"):
         EngineConfig(moe_micro_batches=3)
+
+
+DEMO = Path(__file__).resolve().parent.parent / "models" / "demo" / "deepseek"
+
+
+@pytest.mark.parametrize("k", [1, 4])
+async def test_the_demo_deepseeks_mtp_layer_drafts_losslessly(k):
+    """The committed DeepSeek-style target and its trained MTP layer: greedy output with the
+    layer drafting equals plain decoding's, and most drafts are accepted."""
+    prompts = ragged_prompts(4, 4096, seed=9)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    async with running(make_config(DEMO, pages=512)) as engine:
+        plain = [token_ids(await engine.generate(p, params)) for p in prompts]
+    async with running(make_config(DEMO, "mtp", None, k=k, pages=512)) as engine:
+        outs = [await engine.generate(p, params) for p in prompts]
+    assert [token_ids(o) for o in outs] == plain
+    drafted = sum(o[-1].usage.draft_tokens for o in outs)
+    assert sum(o[-1].usage.accepted_tokens for o in outs) > 0.3 * drafted > 0
