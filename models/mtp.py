@@ -14,9 +14,10 @@ Checkpoints use DeepSeek's names under `model.layers.{N}.`: `enorm.weight`, `hno
 `post_attention_layernorm.weight`) and `shared_head.norm.weight`; a DeepSeek layer's own
 `embed_tokens` and `shared_head.head` are ignored (the target's are used). Two directory kinds
 load: a standalone head (config.json with `"architectures": ["TandemMTPHead"]` and Llama fields
-for the one block, tensors under `model.layers.0.`), and a Llama checkpoint carrying an MTP
-layer after its last layer (`num_nextn_predict_layers` >= 1, the layer at index
-`num_hidden_layers`, DeepSeek's placement).
+for the one block, tensors under `model.layers.0.`), and a Llama or DeepSeek-V3 checkpoint
+carrying an MTP layer after its last layer (`num_nextn_predict_layers` >= 1, the layer at
+index `num_hidden_layers`, DeepSeek's placement); a DeepSeek layer's block is latent attention
+and experts (models/deepseek.py), its experts one tensor each or float8 as the target's.
 """
 
 from __future__ import annotations
