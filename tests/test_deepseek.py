@@ -16,7 +16,14 @@ from safetensors.torch import load_file, save_file
 
 from engine.request import SamplingParams
 from models.attention import CausalAttention, TorchPagedAttention
-from models.deepseek import DeepseekModel, LatentAttention, MoE, load_deepseek, save_deepseek
+from models.deepseek import (
+    DeepseekModel,
+    LatentAttention,
+    MoE,
+    load_deepseek,
+    published,
+    save_deepseek,
+)
 from models.llama import prepare_for_inference
 from models.loader import CheckpointError, load_model
 from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
@@ -290,17 +297,9 @@ def with_mtp_layer(reference: transformers.PreTrainedModel, root, seed: int = 1)
                 b.normal_(0.0, 0.1)
     prefix = f"model.layers.{reference.config.num_hidden_layers}."
     tensors = load_file(root / "model.safetensors")
-    for name, t in layer.state_dict().items():
-        name = name.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")
-        if name.endswith("experts.gate_up_proj"):
-            for e, (gate, up) in enumerate(zip(*t.chunk(2, 1), strict=True)):
-                tensors[f"{prefix}{name[: -len('gate_up_proj')]}{e}.gate_proj.weight"] = gate
-                tensors[f"{prefix}{name[: -len('gate_up_proj')]}{e}.up_proj.weight"] = up
-        elif name.endswith("experts.down_proj"):
-            for e, down in enumerate(t):
-                tensors[f"{prefix}{name[: -len('down_proj')]}{e}.down_proj.weight"] = down
-        else:
-            tensors[prefix + name] = t
+    renamed = {name.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm."): t
+               for name, t in layer.state_dict().items()}  # fmt: skip
+    tensors |= published(renamed, prefix, torch.float32)  # the experts one tensor each
     # DeepSeek's MTP layers carry copies of the embedding and the head (the target's are used)
     tensors[prefix + "embed_tokens.weight"] = reference.model.embed_tokens.weight.detach()
     tensors[prefix + "shared_head.head.weight"] = reference.lm_head.weight.detach()
