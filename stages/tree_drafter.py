@@ -1,10 +1,16 @@
 """Tree drafting: the head drafts a tree of candidates level by level, of a fixed shape
 (FixedTree: paths of child ranks, Medusa / EAGLE style) or the dynamic EAGLE-2 tree
 (DynamicTree), and the target verifies the whole tree in one forward (stages/tree.py: its
-ancestry and masks, the accepted path's KV move)."""
+ancestry and masks, the accepted path's KV move).
+
+A shape is a pure planner: its `plan` is a generator that yields each Expansion (the nodes
+the head must run next) and is sent the head's output for them, and returns the DraftedTree.
+It never touches the head, its cache or the step's attention; TreeDrafter runs the head.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +60,9 @@ class TreeDrafter(HeadDrafter):
         st, shape = dev.sampling, self.shape
         sampled = self.sampled and not st.all_greedy
         walk = GrammarWalk.of(plan.seqs) if self.grammar_aware else None
-        tree = shape.draft(self, dev, plan.k, st if sampled else None, walk)
+        # the root's children come from the deferred outputs: the first level costs no forward
+        roots = self.deferred_logits[dev.rows], self.deferred_hidden[dev.rows]
+        tree = self._grow(dev, shape.plan(roots, dev.base, plan.k, st if sampled else None, walk))
         # never accept past num_drafts: deeper nodes become padding (their subtrees too)
         tokens = torch.where(tree.depths <= dev.num_drafts[:, None], tree.tokens, -1)
         depth = min(shape.depth, plan.k)
@@ -81,38 +89,34 @@ class TreeDrafter(HeadDrafter):
         self.keep_page_ends(dev, features, accepted)
         return m
 
-    def roots(self, dev: DevicePlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [B, V] of the root's children, the head feature [B, H] paired with them):
-        the deferred outputs, so the first level costs no forward."""
-        return self.deferred_logits[dev.rows], self.deferred_hidden[dev.rows]
+    def _grow(self, dev: DevicePlan, planner: Planner) -> DraftedTree:
+        """Run the head over each expansion the planner asks for, until it returns its tree."""
+        try:
+            expansion = next(planner)
+            while True:
+                expansion = planner.send(self.expand(dev, expansion))
+        except StopIteration as done:
+            return done.value
 
-    def expand(
-        self,
-        dev: DevicePlan,
-        level: int,  # depth of the nodes run (their tokens sit at positions base + level)
-        first: int,  # scratch index of the first node run; the m nodes take first .. first+m-1
-        ids: torch.Tensor,  # [B, m] the nodes' tokens
-        features: torch.Tensor,  # [B, m, H] their parents' head features
-        visible: torch.Tensor,  # [B or 1, m, S] bool: each node's path among scratch nodes
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the head over m tree nodes per sequence; returns (logits [B, m, V] of their
-        children, their head features [B, m, H])."""
-        b, m = ids.shape
+    def expand(self, dev: DevicePlan, x: Expansion) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the head over an expansion's m nodes per sequence; returns (logits [B, m, V]
+        of their children, their head features [B, m, H])."""
+        b, m = x.ids.shape
         keys = self._tree_keys(dev)
-        mask = torch.cat([keys.committed.expand(b, m, -1), visible.expand(b, m, -1)], 2)
+        mask = torch.cat([keys.committed.expand(b, m, -1), x.visible.expand(b, m, -1)], 2)
         # the pair (node, its parent's feature), at base + level - 1 + pair_offset
-        positions = (dev.base + level - 1 + self.offset)[:, None].expand(b, m)
+        positions = (dev.base + x.level - 1 + self.offset)[:, None].expand(b, m)
         small = AttentionMetadata(
-            slot_mapping=keys.scratch[:, first : first + m].flatten(),
+            slot_mapping=keys.scratch[:, x.first : x.first + m].flatten(),
             kv_slots=keys.kv_slots,
             kv_lens=torch.full_like(dev.base, keys.kv_slots.shape[1]),
-            q_index=torch.arange(b * m, device=ids.device),
+            q_index=torch.arange(b * m, device=x.ids.device),
             q_positions=positions,
             mask=mask,
             shared=keys.shared,
         )
-        flat = features.reshape(b * m, -1)
-        hidden = self.head(ids.flatten(), flat, positions.flatten(), self._attention(small))
+        flat = x.features.reshape(b * m, -1)
+        hidden = self.head(x.ids.flatten(), flat, positions.flatten(), self._attention(small))
         logits = self.head.logits(hidden)  # [B * m, V]
         return logits.float().view(b, m, -1), hidden.view(b, m, -1)
 
@@ -138,6 +142,17 @@ def scratch_slots(start: int, rows: torch.Tensor, size: int, page_size: int) -> 
     return start + rows[:, None] * stride + torch.arange(size, device=rows.device)
 
 
+@dataclass(frozen=True)
+class Expansion:
+    """Tree nodes the head runs over, m a sequence: a planner's request."""
+
+    level: int  # the nodes' depth (their tokens sit at positions base + level)
+    first: int  # the scratch index of the first; the m nodes take first .. first + m - 1
+    ids: torch.Tensor  # [B, m] the nodes' tokens
+    features: torch.Tensor  # [B, m, H] their parents' head features
+    visible: torch.Tensor  # [B or 1, m, S] bool: the scratch nodes on each one's path
+
+
 @dataclass
 class DraftedTree:
     """What a tree shape drafts for a step, before num_drafts trims it."""
@@ -150,14 +165,20 @@ class DraftedTree:
     noise: torch.Tensor | None  # [B, depth + 1, V] the coupling's (Drafts.noise)
 
 
+# a shape's plan: yields Expansions, is sent (children's logits [B, m, V], head features
+# [B, m, H]) for each, returns the tree
+Planner = Generator[Expansion, tuple[torch.Tensor, torch.Tensor], DraftedTree]
+Roots = tuple[torch.Tensor, torch.Tensor]  # logits [B, V] of the root's children, feature [B, H]
+
+
 def _tree_noise(
-    dev: DevicePlan, st: SamplingTensors | None, depth: int, vocab: int
+    base: torch.Tensor, st: SamplingTensors | None, depth: int, vocab: int
 ) -> torch.Tensor | None:
     """The coupling's noise at a tree's positions base + 1 .. base + 1 + depth, for sampled
     drafting with coupled rows."""
     if st is None or st.coupled is None:
         return None
-    positions = dev.base[:, None] + 1 + torch.arange(depth + 1, device=dev.base.device)
+    positions = base[:, None] + 1 + torch.arange(depth + 1, device=base.device)
     return coupling_noise(st.seeds, positions, vocab, st.coupled)
 
 
@@ -228,22 +249,22 @@ class FixedTree:
                 node = parents[node]
         return visible.to(self.device)
 
-    def draft(
+    def plan(
         self,
-        d: TreeDrafter,
-        dev: DevicePlan,
+        roots: Roots,
+        base: torch.Tensor,  # [B] the committed length's last position
         n: int,
         st: SamplingTensors | None = None,
         walk: GrammarWalk | None = None,
-    ) -> DraftedTree:
+    ) -> Planner:
         """The first n nodes; a prefix of the nodes is a tree: its ancestors are a corner of
         the whole tree's. With `st` children are drawn from q (and kept, for the sampler);
         coupled rows take q's top Gumbel-perturbed tokens. Without, children are ranked by
         the head's logits (the order of its probabilities). With `walk` the head's logits
         are masked by each request's grammar after each node's path (grammar_masked)."""
-        logits, hidden = d.roots(dev)  # [B, V], [B, H]
+        logits, hidden = roots  # [B, V], [B, H]
         b = logits.shape[0]
-        noise = _tree_noise(dev, st, self.depth, logits.shape[-1])
+        noise = _tree_noise(base, st, self.depth, logits.shape[-1])
         children, hidden = _masked(walk, logits, None)[:, None], hidden[:, None]  # the root
         paths = above = None  # [B, m, level] the token paths of the nodes run (a grammar's)
         tokens, drawn_from = [], []  # per depth [B, its nodes], [B, its nodes, V]
@@ -252,7 +273,7 @@ class FixedTree:
                 top = children.topk(nodes.width, dim=-1).indices.flatten(1)  # [B, m * width]
             else:
                 q = process_logits(children, st)  # [B, m, V]
-                top = self._children(q, nodes.width, st.seeds, dev.base + level)
+                top = self._children(q, nodes.width, st.seeds, base + level)
                 if noise is not None and st.coupled is not None:
                     perturbed = q.log() + noise[:, level - 1, None]
                     best = perturbed.topk(nodes.width, dim=-1).indices.flatten(1)
@@ -272,7 +293,7 @@ class FixedTree:
                 if run.feeds is not None and above is not None:
                     paths = torch.cat([above.index_select(1, run.feeds), paths], 2)
                 above = paths
-            children, hidden = d.expand(dev, level, run.first, ids, fed, run.visible)
+            children, hidden = yield Expansion(level, run.first, ids, fed, run.visible)
             children = _masked(walk, children, paths)
         expand = lambda t: t[None, :n].expand(b, -1)
         ancestors = self.ancestors[:, :n, :n].expand(b, -1, -1)
@@ -309,22 +330,22 @@ class DynamicTree:
         depths = [1] * topk + [d for d in range(2, depth + 1) for _ in range(topk**2)]
         self.depths = torch.tensor(depths, dtype=torch.long, device=device)  # [C] candidates
 
-    def draft(
+    def plan(
         self,
-        d: TreeDrafter,
-        dev: DevicePlan,
+        roots: Roots,
+        base: torch.Tensor,  # [B] the committed length's last position
         n: int,
         st: SamplingTensors | None = None,
         walk: GrammarWalk | None = None,
-    ) -> DraftedTree:
+    ) -> Planner:
         """n nodes, without ancestors (tree_drafts finds them) or q (children ranked by score
         are point masses). With `st`, a coupled row ranks children by their Gumbel-perturbed
         log-probability (the coupling's guess at the target's token there). With `walk` the
         head's logits are masked by each request's grammar after each candidate's path."""
         k, s = self.topk, self.scratch_size
-        logits, feature = d.roots(dev)  # [B, V], [B, H]
+        logits, feature = roots  # [B, V], [B, H]
         logits = _masked(walk, logits, None)
-        noise = _tree_noise(dev, st, self.depth, logits.shape[-1])
+        noise = _tree_noise(base, st, self.depth, logits.shape[-1])
 
         def log_probs(logits: torch.Tensor, level: int) -> torch.Tensor:  # [B, ..., V]
             """The head's log-probabilities; a coupled row's perturbed by the noise at the
@@ -356,7 +377,7 @@ class DynamicTree:
             paths[:, first : first + k] = row
             ids = token.gather(1, pick)
             inputs = fed.gather(1, pick[..., None].expand(-1, -1, fed.shape[2]))
-            children, hidden = d.expand(dev, level, first, ids, inputs, row)
+            children, hidden = yield Expansion(level, first, ids, inputs, row)
             if walk is not None:
                 spelled = spelled.gather(1, pick[..., None].expand(-1, -1, spelled.shape[2]))
                 children = _masked(walk, children, spelled)

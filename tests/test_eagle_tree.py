@@ -135,6 +135,62 @@ def test_fixed_tree_ancestors_hold_for_every_prefix():
         assert torch.equal(tree.ancestors[:, :n, :n], tree_ancestors(parents, tree.depth))
 
 
+def planned(planner, head):
+    """Drive a tree shape's plan with `head` (an Expansion -> (logits, features)); returns
+    the tree and the expansions asked for."""
+    asked = []
+    try:
+        expansion = next(planner)
+        while True:
+            asked.append(expansion)
+            expansion = planner.send(head(expansion))
+    except StopIteration as done:
+        return done.value, asked
+
+
+def ranked_head(vocab: int):
+    """A stand-in head: token t's rank-r child is (3 t + 1 + r) % vocab; a node's feature is
+    its own token, so that an expansion's features name its nodes' parents."""
+
+    def logits(ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., vocab]
+        best = (3 * ids + 1)[..., None]
+        return -((torch.arange(vocab) - best) % vocab).float()
+
+    return logits, lambda x: (logits(x.ids), x.ids[..., None].float())
+
+
+def test_tree_shapes_are_pure_planners():
+    """A shape plans from the root's outputs and what it is sent for each expansion, without a
+    head of its own: driven by a stand-in, a fixed tree is its paths' ranked children, each
+    expansion carries its nodes' parents' features, and a dynamic tree's nodes are top
+    children of their parents, parents first."""
+    vocab, base = 16, torch.tensor([7, 9])
+    logits, head = ranked_head(vocab)
+    roots = logits(torch.zeros(2, dtype=torch.long)), torch.zeros(2, 1)
+    fixed = tree_drafter.FixedTree(FIXED, torch.device("cpu"))
+    tree, asked = planned(fixed.plan(roots, base, fixed.size), head)
+    # the root (token 0) ranks 1, 2, ...; token 1 ranks 4, 5; token 2: 7; 4: 13, 14; 13: 8
+    assert tree.tokens.tolist() == [[1, 2, 4, 5, 7, 13, 14, 8]] * 2
+    assert [x.level for x in asked] == [1, 2, 3]
+    for x in asked:  # each node run was fed its parent's feature (its parent's token)
+        parents = x.features[..., 0].long()
+        assert ((x.ids - 3 * parents - 1) % vocab < 2).all()  # FIXED's ranks are 0 and 1
+    assert asked[0].features.eq(0).all()  # the root's children: the root's feature
+    # the nodes with children, each fed its parent's: (0, 0) = 4 under 1, (0, 0, 0) = 13 under 4
+    assert [x.ids.tolist() for x in asked[1:]] == [[[4]] * 2, [[13]] * 2]
+    assert [x.features[..., 0].tolist() for x in asked[1:]] == [[[1.0]] * 2, [[4.0]] * 2]
+
+    dynamic = tree_drafter.DynamicTree(depth=3, topk=2, device=torch.device("cpu"))
+    tree, asked = planned(dynamic.plan(roots, base, 5), head)
+    assert [x.level for x in asked] == [1, 2]
+    for row in range(2):
+        tokens, parents = tree.tokens[row].tolist(), tree.parents[row].tolist()
+        for i, (token, parent) in enumerate(zip(tokens, parents, strict=True)):
+            assert parent < i  # parents first
+            above = 0 if parent < 0 else tokens[parent]
+            assert (token - 3 * above - 1) % vocab < 2  # one of its parent's top 2 children
+
+
 def test_tree_verify_forward_equals_dense_path_forwards(tiny_target):
     """The target over a tree (positions by depth, slots by node index, the tree mask) gives
     each node the hidden state of a dense causal forward over the prompt and its path."""
