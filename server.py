@@ -43,7 +43,7 @@ from api import (
 )
 from engine.config import (
     ATTENTION_CHOICES,
-    HEADS,
+    HYBRID_MODELS,
     SPECULATIVE_METHODS,
     TREE_SHAPES,
     EngineConfig,
@@ -515,9 +515,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--hybrid-head",
-        choices=HEADS,
+        choices=HYBRID_MODELS,
         default=spec.hybrid_head,
-        help=f"the head --speculative hybrid drafts with (default: {spec.hybrid_head})",
+        help="the model --speculative hybrid drafts with where suffix decoding does not: a "
+        f"head or the draft model (default: {spec.hybrid_head})",
     )
     parser.add_argument(
         "--attention",

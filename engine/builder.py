@@ -318,7 +318,8 @@ class Builder:
                     f"target's ({target.config.vocab_size})"
                 )
             cache = self.cache_for(model, num_pages)
-            return DraftModelDrafter(model, cache, attention, rows, sampled, aware)
+            follows = self.config.spec.method == "hybrid"  # its rows may be the suffix's
+            return DraftModelDrafter(model, cache, attention, rows, sampled, aware, follows)
         if spec.method == "hybrid":
             model_drafter = self.drafter(replace(spec, method=spec.hybrid_head), target,
                                          target_cache, attention, num_pages)  # fmt: skip

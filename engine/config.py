@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 # grammar: no model; a request's drafts are what its grammar implies (structured output)
 SPECULATIVE_METHODS = ("none", "draft", "ngram", "suffix", "eagle", "mtp", "grammar", "hybrid")
 HEADS = ("eagle", "mtp")
+HYBRID_MODELS = ("draft", *HEADS)  # what --speculative hybrid pairs suffix decoding with
 ATTENTION_BACKENDS = ("torch", "flashinfer")  # engine/builder.py makes them
 ATTENTION_CHOICES = ("auto", *ATTENTION_BACKENDS)  # auto: flashinfer on CUDA where it imports
 DTYPES = ("float32", "bfloat16", "float16")
@@ -91,8 +92,10 @@ class SpecConfig:
             )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
-        if self.hybrid_head not in HEADS:
-            raise ValueError(f"unknown hybrid head {self.hybrid_head!r}; choose from {HEADS}")
+        if self.hybrid_head not in HYBRID_MODELS:
+            raise ValueError(
+                f"unknown hybrid head {self.hybrid_head!r}; choose from {HYBRID_MODELS}"
+            )
         if self.hybrid_min_score < 0:
             raise ValueError("hybrid_min_score must not be negative")
         self._check_tree()
@@ -129,9 +132,8 @@ class SpecConfig:
     @property
     def head(self) -> str | None:
         """The head the method drafts with (eagle or mtp; hybrid's), None for other methods."""
-        if self.method == "hybrid":
-            return self.hybrid_head
-        return self.method if self.method in HEADS else None
+        model = self.hybrid_head if self.method == "hybrid" else self.method
+        return model if model in HEADS else None
 
     @property
     def drafters(self) -> tuple[str, ...]:
@@ -144,7 +146,8 @@ class SpecConfig:
     @property
     def keeps_cache(self) -> bool:
         """Whether the drafter keeps a KV cache of its own (a draft model or a head)."""
-        return self.method == "draft" or self.head is not None
+        model = self.hybrid_head if self.method == "hybrid" else self.method
+        return model in HYBRID_MODELS
 
     @property
     def one_token_mode(self) -> bool:

@@ -2,7 +2,9 @@
 
 Its KV lives at the same page ids as the target's. Invariant between steps: the draft's KV
 covers every committed token and `deferred[row]` holds its logits for the next position, so
-the first draft token of a step costs no forward.
+the first draft token of a step costs no forward. Drafting writes the KV of its own drafts;
+a drafter that `follows_text` (the hybrid's, whose rows another drafter may have drafted)
+instead rewrites every committed token's at refill.
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ class DraftModelDrafter:
         max_rows: int,
         sampled: bool,
         grammar_aware: bool = True,
+        follows_text: bool = False,
     ):
         self.model = model
         self.cache = cache
         self.attention = attention
         self.sampled = sampled
         self.grammar_aware = grammar_aware
+        self.follows_text = follows_text  # refill over every committed token, whoever drafted
         vocab = model.config.vocab_size
         device = model.norm.weight.device
         self.deferred = torch.zeros(max_rows, vocab, device=device)  # [rows, V]
@@ -62,6 +66,8 @@ class DraftModelDrafter:
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
         a = verdict.num_accepted
+        if self.follows_text:
+            return self._follow(plan, dev, verdict)
         last_input = None
         # Drafting fed the draft d_1 .. d_{k-1}: only d_k, when some sequence accepted it (the
         # last of the refill's columns), still lacks its KV; `refill_columns` says whether it
@@ -91,13 +97,30 @@ class DraftModelDrafter:
         self.deferred[pick(dev.rows)] = self._forward(dev, index, ids, positions, slots)
         return ids.shape[1]
 
-    def _forward(self, dev, index, ids, positions, slots) -> torch.Tensor:
-        """Draft logits [E, V] at the last of m tokens per sequence (ids, positions, slots
-        [E, m]); the tokens before it only write their KV."""
+    def _follow(self, plan: Plan, dev: DevicePlan, verdict: Verdict) -> int:
+        """Run the draft over the step's committed tokens, the accepted drafts and the
+        emitted one (positions base + 1 .. base + a + 1), whoever drafted them; the deferred
+        logits are the emitted token's. Columns past a row's emitted token write KV past its
+        committed length, overwritten before anything reads it."""
+        a = verdict.num_accepted
+        m = refill_columns(a, plan.width)
+        columns = torch.arange(m, device=a.device)
+        positions = dev.base[:, None] + 1 + columns
+        slots = dev.tail_slots[:, 1 : m + 1]
+        ids = verdict.tokens[:, :m].clamp(min=0)  # -1 pads past the emitted token
+        self.deferred[dev.rows] = self._forward(dev, None, ids, positions, slots, a)
+        return m
+
+    def _forward(self, dev, index, ids, positions, slots, at=None) -> torch.Tensor:
+        """Draft logits [E, V] at column `at` [E] (None: the last) of m tokens per sequence
+        (ids, positions, slots [E, m]); the other tokens only write their KV."""
         e, m = ids.shape
         small = drafter_metadata(dev, index, positions, slots)
         hidden, _ = self.model(ids.flatten(), positions.flatten(), self._attention(small))
-        return self.model.logits(hidden.view(e, m, -1)[:, -1])
+        hidden = hidden.view(e, m, -1)
+        if at is None:
+            return self.model.logits(hidden[:, -1])
+        return self.model.logits(hidden[torch.arange(e, device=at.device), at])
 
     def _attention(self, meta: AttentionMetadata) -> Attention:
         return self.attention(meta, self.cache, self.model.config.num_heads)

@@ -1,4 +1,5 @@
-"""--speculative hybrid (suffix decoding where it expects to pay, a head elsewhere) and each
+"""--speculative hybrid (suffix decoding where it expects to pay, a head or the draft model
+elsewhere) and each
 request's choice of drafter: greedy output equals plain decoding, with preemption and
 requests choosing differently in one batch; the head's state follows the text whoever
 drafted it; sampled output follows the target's law (chi-square)."""
@@ -23,12 +24,12 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def heads(tiny_target, tmp_path_factory):
+def heads(tiny_target, tiny_draft, tmp_path_factory):
     root = tmp_path_factory.mktemp("hybrid")
     model = load_model(tiny_target)
     save_eagle_head(random_eagle_head(model, norms=True), root / "eagle")
     save_mtp_head(random_mtp_head(model, seed=7), root / "mtp")
-    return {"eagle": root / "eagle", "mtp": root / "mtp"}
+    return {"eagle": root / "eagle", "mtp": root / "mtp", "draft": tiny_draft}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def hybrid(target, head_dir, head="eagle", min_score=0.5, **kw):
     return make_config(target, "hybrid", head_dir, k=3, spec_kw=spec, **kw)
 
 
-@pytest.mark.parametrize("head", ["eagle", "mtp"])
+@pytest.mark.parametrize("head", ["eagle", "mtp", "draft"])
 @pytest.mark.parametrize("pages", [256, 40])
 async def test_greedy_hybrid_equals_plain(tiny_target, heads, prompts, expected, head, pages):
     config = hybrid(tiny_target, heads[head], head, pages=pages, max_batch_tokens=64)
@@ -93,11 +94,12 @@ async def test_a_method_server_takes_its_own_name_and_none(tiny_target):
             engine.submit([1], SamplingParams(speculative_method="suffix"))
 
 
-async def test_the_head_follows_the_text_whoever_drafted_it(tiny_target, heads, monkeypatch):
-    """The head's greedy drafts at a position depend on the text before it alone: the same
-    with the suffix drafting some steps (hybrid) as with the head drafting every step (a
-    step as wide as its suffix draft holds a prefix of them)."""
-    seen: dict[str, dict[int, list[int]]] = {"eagle": {}, "hybrid": {}}
+@pytest.mark.parametrize("model", ["eagle", "draft"])
+async def test_the_head_follows_the_text_whoever_drafted_it(tiny_target, heads, model, monkeypatch):
+    """The head's (or draft model's) greedy drafts at a position depend on the text before it
+    alone: the same with the suffix drafting some steps (hybrid) as with the model drafting
+    every step (a step as wide as its suffix draft holds a prefix of them)."""
+    seen: dict[str, dict[int, list[int]]] = {model: {}, "hybrid": {}}
     suffix_steps = []
     propose = HybridDrafter.propose
 
@@ -110,28 +112,34 @@ async def test_the_head_follows_the_text_whoever_drafted_it(tiny_target, heads, 
 
     monkeypatch.setattr(HybridDrafter, "propose", watched)
     prompt = [7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8]
-    async with running(hybrid(tiny_target, heads["eagle"], min_score=0.2)) as engine:
+    async with running(hybrid(tiny_target, heads[model], model, min_score=0.2)) as engine:
         for choice in seen:
             await engine.generate(prompt, dataclasses.replace(GREEDY, speculative_method=choice))
     assert sum(suffix_steps) >= 3
-    common = seen["eagle"].keys() & seen["hybrid"].keys()
+    common = seen[model].keys() & seen["hybrid"].keys()
     assert len(common) >= 8
     for p in common:
-        ours, theirs = seen["hybrid"][p], seen["eagle"][p]
+        ours, theirs = seen["hybrid"][p], seen[model][p]
         assert ours == theirs[: len(ours)], p
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_sampled_hybrid_follows_the_target(tmp_path):
-    """Rows of one batch drafting by the suffix (point masses) and by the head (sampled q)."""
+@pytest.mark.parametrize("model", ["eagle", "draft"])
+def test_sampled_hybrid_follows_the_target(tmp_path, model):
+    """Rows of one batch drafting by the suffix (point masses) and by the head or the draft
+    model (sampled q)."""
     target = write_model(tmp_path / "t", layers=1, hidden=16, seed=3, scale=1.5, model_vocab=VOCAB)
-    head = random_eagle_head(load_model(target), norms=True, scale=1.5)
-    save_eagle_head(head, tmp_path / "h")
+    if model == "eagle":
+        head = random_eagle_head(load_model(target), norms=True, scale=1.5)
+        save_eagle_head(head, tmp_path / "h")
+    else:
+        write_model(tmp_path / "h", layers=1, hidden=16, seed=4, scale=1.5, model_vocab=VOCAB)
     config = make_config(target, "hybrid", tmp_path / "h", k=2, pages=3 * N, page_size=4,
                          max_running=N, max_waiting=N, max_batch_tokens=len(PROMPT) * N,
-                         max_model_len=16, spec_kw={"hybrid_min_score": 0.3})  # fmt: skip
-    choices = ["hybrid", "suffix", "eagle"]
+                         max_model_len=16, spec_kw={"hybrid_min_score": 0.3,
+                                                    "hybrid_head": model})  # fmt: skip
+    choices = ["hybrid", "suffix", model]
 
     async def run():
         async with running(config) as engine:
