@@ -1,42 +1,32 @@
-"""Agentic workloads on SmolLM2: multi-turn chats with and without the prefix cache, and code
-edits whose answer repeats most of the prompt, per drafter.
+"""Agentic workloads on SmolLM2: multi-turn chats with and without the prefix cache, the same
+turns per drafter, and code edits and tool-result echoes whose answers repeat the prompt.
 
     python -m bench.agentic [--workload chats] [--chats 3] [--turns 5] [--max-tokens 64]
-    python -m bench.agentic --workload edits [--methods none ngram suffix] [--rounds 1] [--k 4]
-        [--quantization int8] [--fixed-k]
-    python -m bench.agentic --workload echo [...]
-    python -m bench.agentic --workload edits --llama-server PATH [--k 4]
     python -m bench.agentic --workload turns [--methods none ngram suffix eagle hybrid]
         [--no-prefix-cache]
+    python -m bench.agentic --workload edits|echo [--methods none ngram suffix] [--rounds 1]
+        [--k 4] [--quantization int8] [--fixed-k] [--llama-server PATH]
 
-Chats:
-
-A chat opens with a file to read (the first 4,000 characters of a module of Python's own
+Chats: a chat opens with a file to read (the first 4,000 characters of a module of Python's
 library, so that the requests are fixed by this script) and a question about it; each later
 turn adds the model's answer, as text, and the next question (train/chat_heldout_prompts.json).
-Histories reach 1-2k tokens on SmolLM2. Two engines serve the same chats, one with the
-prefix cache and one without (no speculation, greedy, batch 1), taking each turn in turn, so
-that the machine's drift falls on both alike. Per turn: prompt tokens, the tokens the cache
-brought (`usage.prompt_tokens_details.cached_tokens`), and the time to first token of each
-engine; at the end the median ratio over the second and later turns.
+Two engines serve the same chats, with the prefix cache and without (no speculation, greedy,
+batch 1), taking each turn in turn. Per turn: prompt tokens, the tokens the cache brought and
+each engine's time to first token; at the end the median ratio over the later turns.
 
-Edits: six functions of Python's library (49-102 lines), each with an instruction to rename
-one of its variables and answer with the whole function; greedy, batch 1, up to 768 tokens,
-eos honoured. Each method's engine runs in a process of its own (bench/common.py
-EngineProcess) and the methods take each task in turn. Per method: decode tokens/s after the
-first token, its ratio to no speculation, tokens per speculative step, and the share of the
-answers' tokens that sit in a run of 8 tokens found in the prompt (how much the model copied).
+Turns: the chats' turns, each its whole history answered first by plain decoding, so that
+every method serves the same requests, run as the edits are: per method also the mean time to
+first token.
 
-Turns: the chats' turns (each its whole history, answered first by plain decoding, so that
-every method serves the same requests) run as the edits are, each method's engine with its
-prefix cache: per method also the mean time to first token.
-
-With --llama-server, the same tasks go through llama.cpp's server instead (the same GGUF and
-prompt ids, its prompt cache on), once per --spec-type (none, ngram-simple, ngram-mod, each
-draft capped at k), reported from its own timings.
-
-Echo: six tool results (a JSON list of eight records, drawn with a fixed seed) to be repeated
-with one record's status changed; run and reported as the edits are.
+Edits: six functions of Python's library (49-102 lines), each to be answered whole with one
+variable renamed; echo: six tool results (a JSON list of eight records, drawn with a fixed
+seed) to be repeated with one record's status changed. Greedy, batch 1, up to 768 tokens, eos
+honoured; each method's engine in a process of its own (bench/common.py EngineProcess), the
+methods taking each task in turn. Per method: decode tokens/s after the first token, its ratio
+to no speculation, tokens per speculative step, and the share of the answers' tokens inside a
+run of 8 found in the prompt (what the model copied). With --llama-server the tasks go through
+llama.cpp's server instead (the same GGUF and prompt ids, its prompt cache on), once per
+--spec-type (none, ngram-simple, ngram-mod, a draft capped at k), from its own timings.
 """
 
 from __future__ import annotations
@@ -48,12 +38,12 @@ import inspect
 import json
 import random
 import statistics
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig, KVConfig
+from bench.common import EngineProcess, answer, write_json
+from engine.config import EngineConfig, KVConfig, SpecConfig
 from engine.engine import AsyncEngine
 from engine.request import SamplingParams
 
@@ -75,18 +65,12 @@ def questions() -> list[str]:
     return json.loads(QUESTIONS.read_text())
 
 
-async def first_token(engine: AsyncEngine, prompt: list[int], max_tokens: int):
-    """(seconds to the first token, the answer's text, the prompt tokens the cache brought)."""
-    start = time.perf_counter()
-    ttft, text, cached = None, "", 0
-    params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    async for delta in engine.submit(prompt, params):
-        if ttft is None and delta.token_ids:
-            ttft = time.perf_counter() - start
-        text += delta.text
-        cached = delta.usage.cached_tokens if delta.usage else cached
-    assert ttft is not None
-    return ttft, text, cached
+def user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0)
 
 
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -100,25 +84,21 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     try:
         asked = iter(questions())
         for chat, opening in enumerate(chat_openings(args.chats)):
-            messages = [{"role": "user", "content": opening}]
+            messages = user(opening)
             for turn in range(args.turns):
                 prompt = engines[True].tokenizer.encode_chat(messages)
                 row: dict[str, Any] = {"chat": chat, "turn": turn, "prompt_tokens": len(prompt)}
                 answers = {}
-                for cache, engine in engines.items():
-                    ttft, answers[cache], cached = await first_token(
-                        engine, prompt, args.max_tokens
-                    )
-                    row["ttft_cached" if cache else "ttft_plain"] = round(ttft, 4)
-                    if cache:
-                        row["cached_tokens"] = cached
-                row["same_answer"] = answers[True] == answers[False]
+                for cache, engine in engines.items():  # in turn: the machine's drift hits both
+                    answers[cache] = await answer(engine, prompt, greedy(args.max_tokens))
+                row["ttft_cached"] = round(answers[True].ttft, 4)
+                row["ttft_plain"] = round(answers[False].ttft, 4)
+                row["cached_tokens"] = answers[True].usage.cached_tokens
+                row["same_answer"] = answers[True].text == answers[False].text
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-                messages += [
-                    {"role": "assistant", "content": answers[False]},
-                    {"role": "user", "content": next(asked)},
-                ]
+                answered = {"role": "assistant", "content": answers[False].text}
+                messages += [answered, *user(next(asked))]
     finally:
         for engine in engines.values():
             await engine.stop()
@@ -176,35 +156,19 @@ def echo_prompts(n: int = 6) -> list[str]:
     return prompts
 
 
-def user(text: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": text}]
-
-
 async def edit(engine: AsyncEngine, messages: list[dict], max_tokens: int) -> dict[str, Any]:
     """One task (a chat's messages): decode tokens, seconds after the first token, seconds to
     it, speculative steps and accepted drafts, and the answer's copied tokens."""
     prompt = engine.tokenizer.encode_chat(messages)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    start = time.perf_counter()
-    first = last = 0.0
-    ids: list[int] = []
-    usage = None
-    async for delta in engine.submit(prompt, params):
-        now = time.perf_counter()
-        if delta.token_ids and not ids:
-            first = now
-        last = now if delta.token_ids else last
-        ids += delta.token_ids
-        usage = delta.usage or usage
-    assert usage is not None
+    a = await answer(engine, prompt, greedy(max_tokens))
     return {
-        "tokens": len(ids) - 1,  # the first is the prefill's
-        "seconds": last - first,
-        "ttft": first - start,
-        "steps": usage.spec_steps,
-        "accepted": usage.accepted_tokens,
-        "copied": copied(prompt, ids),
-        "answer": len(ids),
+        "tokens": len(a.ids) - 1,  # the first is the prefill's
+        "seconds": a.decode_s,
+        "ttft": a.ttft,
+        "steps": a.usage.spec_steps,
+        "accepted": a.usage.accepted_tokens,
+        "copied": copied(prompt, a.ids),
+        "answer": len(a.ids),
     }
 
 
@@ -219,31 +183,23 @@ def copied(prompt: list[int], answer: list[int]) -> int:
 
 
 def run_tasks(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from bench.common import EngineProcess
-    from engine.config import SpecConfig
-
+    """args.tasks by every method, each in an engine process of its own, taking each task in
+    turn; a row per method."""
     methods = ["none"] + [m for m in args.methods if m != "none"]
     kv = KVConfig(num_pages=args.num_pages, prefix_cache=not args.no_prefix_cache)
-    cells = {
-        m: EngineProcess(
-            EngineConfig(
-                args.model,
-                SpecConfig(m, num_speculative_tokens=args.k, adaptive_k=not args.fixed_k),
-                kv,
-                max_running=1,
-                quantization=args.quantization,
-            )
-        )
-        for m in methods
-    }
+
+    def config(method: str) -> EngineConfig:
+        spec = SpecConfig(method, num_speculative_tokens=args.k, adaptive_k=not args.fixed_k)
+        return EngineConfig(args.model, spec, kv, max_running=1, quantization=args.quantization)
+
+    cells = {m: EngineProcess(config(m)) for m in methods}
     keys = ("tokens", "seconds", "ttft", "steps", "accepted", "copied", "answer")
     totals = {m: dict.fromkeys(keys, 0.0) for m in methods}
     try:
-        tasks = args.tasks
         for cell in cells.values():  # warm-up: the cost model's first estimates
             cell.run(edit, user(edit_prompts()[0]), 32)
         for _ in range(args.rounds):
-            for messages in tasks:  # task by task, each method in turn
+            for messages in args.tasks:  # task by task, each method in turn
                 for method, cell in cells.items():
                     for key, value in cell.run(edit, messages, args.max_tokens).items():
                         totals[method][key] += value
@@ -253,14 +209,12 @@ def run_tasks(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     base = totals["none"]["tokens"] / totals["none"]["seconds"]
     for method, t in totals.items():
-        speed = t["tokens"] / t["seconds"]
+        speed, steps = t["tokens"] / t["seconds"], t["steps"]
         row = {
             "method": method,
             "tok_s": round(speed, 2),
             "vs_none": round(speed / base, 3),
-            "tokens_per_spec_step": round(1 + t["accepted"] / t["steps"], 2)
-            if t["steps"]
-            else None,
+            "tokens_per_spec_step": round(1 + t["accepted"] / steps, 2) if steps else None,
             "copied_share": round(t["copied"] / t["answer"], 3),
             "ttft_mean_s": round(t["ttft"] / (len(args.tasks) * args.rounds), 3),
         }
@@ -282,18 +236,11 @@ async def chat_turns(args: argparse.Namespace) -> list[list[dict[str, str]]]:
             for _ in range(args.turns):
                 turns.append(list(messages))
                 prompt = engine.tokenizer.encode_chat(messages)
-                _, answer, _ = await first_token(engine, prompt, args.max_tokens)
-                messages += [{"role": "assistant", "content": answer}, *user(next(asked))]
+                text = (await answer(engine, prompt, greedy(args.max_tokens))).text
+                messages += [{"role": "assistant", "content": text}, *user(next(asked))]
     finally:
         await engine.stop()
     return turns
-
-
-LLAMA_SPECS = {  # llama.cpp's --spec-type and its flags capping a draft at k tokens
-    "none": [],
-    "ngram-simple": ["--spec-ngram-simple-size-m", "{k}"],
-    "ngram-mod": ["--spec-ngram-mod-n-max", "{k}", "--spec-ngram-mod-n-min", "1"],
-}
 
 
 async def run_llama(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -304,6 +251,7 @@ async def run_llama(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     import aiohttp
 
+    from bench.peer import llama_spec_flags
     from bench.served import serving
     from engine.builder import model_path
     from models.tokenizer import Tokenizer
@@ -313,12 +261,12 @@ async def run_llama(args: argparse.Namespace) -> list[dict[str, Any]]:
     prompt_ids = [tokenizer.encode_chat(messages) for messages in args.tasks]
     log = Path(tempfile.mkdtemp()) / "llama-server.log"
     rows = []
-    for spec, flags in LLAMA_SPECS.items():
+    for spec in ("none", "ngram-simple", "ngram-mod"):
         command = [str(args.llama_server), "-m", str(gguf), "-t", "2", "-tb", "2", "-np", "1",
-                   "-c", "8192", "--host", "127.0.0.1", "--no-webui", "--spec-type", spec,
-                   *(f.format(k=args.k) for f in flags)]  # fmt: skip
+                   "-c", "8192", "--host", "127.0.0.1", "--no-webui",
+                   *llama_spec_flags(spec, args.k)]  # fmt: skip
         totals = dict.fromkeys(("tokens", "seconds", "drafted", "accepted", "copied", "answer"), 0)
-        async with serving(command, log, 120) as url, aiohttp.ClientSession() as session:
+        async with serving(command, log, 120) as (url, _), aiohttp.ClientSession() as session:
             tasks = [prompt_ids[0]] + prompt_ids * args.rounds
             for i, ids in enumerate(tasks):
                 body = {"prompt": ids, "n_predict": args.max_tokens, "temperature": 0,
@@ -369,13 +317,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-pages", type=int, default=512, help="KV pages of each engine")
     parser.add_argument("--no-prefix-cache", action="store_true", help="turns, edits, echo")
     parser.add_argument("--out", type=Path, default=None, help="write the rows here (JSON)")
-    parser.add_argument(
-        "--llama-server", type=Path, help="edits, echo: run the tasks through this llama-server"
-    )
+    parser.add_argument("--llama-server", type=Path, help="edits, echo: through llama.cpp")
     parser.add_argument("--quantization", choices=["int8"], help="edits, echo: int8 linears")
-    parser.add_argument(
-        "--fixed-k", action="store_true", help="edits, echo: k every step, no cost model"
-    )
+    parser.add_argument("--fixed-k", action="store_true", help="edits, echo: no cost model")
     args = parser.parse_args(argv)
     args.model = None if args.model == "demo" else args.model
     if args.workload in ("edits", "echo"):
@@ -392,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = asyncio.run(run(args))
         print(summary(rows))
     if args.out:
-        args.out.write_text(json.dumps(rows, indent=1) + "\n")
+        write_json(args.out, rows)
     return 0
 
 

@@ -13,18 +13,13 @@ first token), the acceptance length (tokens a decode step), the grammar's host t
 each run their engine in a process of their own and take the tasks in turn, `--rounds` times
 over (`vs_none`: tokens/s over that with the grammar and no speculation).
 
-`--libraries` compares xgrammar and llguidance (if installed) on the tasks' grammars instead:
-compile time, and the time of a token's mask along the greedy output.
-
-    python -m bench.grammar --model smollm2 --rounds 2
+    python -m bench.grammar [--model smollm2] [--rounds 2] [--methods M ...] [--out F.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,13 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import stages.grammar
-from bench.common import EngineProcess
+from bench.common import EngineProcess, answer, write_json
 from core.params import Grammar, SamplingParams
 from core.step import StepKind
-from engine.builder import model_path
 from engine.config import EngineConfig, KVConfig, SpecConfig
 from engine.engine import AsyncEngine
-from models.tokenizer import Tokenizer
 from stages.sample import SampleStage
 from structured import grammar_of
 
@@ -98,15 +91,9 @@ class GrammarClock:
     originals: list[tuple[Any, str, Any]] = field(default_factory=list)
 
     def __enter__(self) -> GrammarClock:
-        for owner, name in [
-            (stages.grammar.GrammarWalk, "chain"),
-            (stages.grammar.GrammarWalk, "tree"),
-            (stages.grammar.GrammarWalk, "commit"),
-            (stages.grammar.DraftWalk, "allowed"),
-            (stages.grammar.DraftWalk, "advance"),
-            (stages.grammar.DraftWalk, "undo"),
-            (stages.grammar, "host_drafts"),
-        ]:
+        walks = [(stages.grammar.GrammarWalk, n) for n in ("chain", "tree", "commit")]
+        drafts = [(stages.grammar.DraftWalk, n) for n in ("allowed", "advance", "undo")]
+        for owner, name in [*walks, *drafts, (stages.grammar, "host_drafts")]:
             self._wrap(owner, name, self._timed)
         self._wrap(SampleStage, "__call__", self._counted)
         return self
@@ -158,13 +145,9 @@ class Row:
     def speed(self) -> float:
         return self.tokens / self.decode_s
 
-    @property
-    def body_name(self) -> str:
-        return self.method + ("" if self.grammar else " (no grammar)")
-
     def body(self) -> dict[str, Any]:
         return {
-            "method": self.body_name,
+            "method": self.method + ("" if self.grammar else " (no grammar)"),
             "tok_s": round(self.speed, 2),
             "acceptance_length": round(self.tokens / max(self.steps, 1), 3),
             "grammar_ms_per_step": round(1e3 * self.grammar_s / max(self.steps, 1), 3),
@@ -213,21 +196,12 @@ async def one(engine: AsyncEngine, task: Task, grammar: bool, max_tokens: int, r
     )
     if params.grammar is not None:
         await engine.compile_grammar(params.grammar)
-    first = last = None
-    tokens, text, usage = 0, "", None
-    async for delta in engine.submit(prompt, params):
-        now = time.perf_counter()
-        if delta.token_ids:
-            first = now if first is None else first
-            last = now
-        tokens += len(delta.token_ids)
-        text += delta.text
-        usage = delta.usage or usage
-    row.tokens += tokens - 1  # the first token is the prefill's
-    row.decode_s += (last or 0.0) - (first or 0.0)
-    row.forced += usage.forced_tokens if usage else 0
+    out = await answer(engine, prompt, params)
+    row.tokens += len(out.ids) - 1  # the first token is the prefill's
+    row.decode_s += out.decode_s
+    row.forced += out.usage.forced_tokens
     row.requests += 1
-    row.valid += _parses(text)
+    row.valid += _parses(out.text)
 
 
 def _tools(task: Task) -> dict[str, Any]:
@@ -243,92 +217,6 @@ def _parses(text: str) -> bool:
     return True
 
 
-# ---- the libraries ----
-
-
-def compare_libraries(model: str | None, tasks: list[Task]) -> list[dict[str, Any]]:
-    """xgrammar and llguidance on each task's grammar: compile time and mask time per token
-    along a text that follows the grammar (the plain greedy output, made by our engine)."""
-    from engine.grammar import Grammars
-
-    tokenizer = Tokenizer(model_path(model))
-    outputs, vocab = asyncio.run(_greedy_outputs(model, tasks))
-    rows = []
-    ours = Grammars(tokenizer, vocab)
-    for task, ids in zip(tasks, outputs, strict=True):
-        start = time.perf_counter()
-        asyncio.run(ours.compile(task.grammar))
-        compile_s = time.perf_counter() - start
-        rows.append({"library": "xgrammar", "compile_ms": 1e3 * compile_s,
-                     "mask_us": _xgrammar_mask_us(ours, task.grammar, ids)})  # fmt: skip
-        try:
-            rows.append(_llguidance(tokenizer, vocab, task.grammar, ids))
-        except ImportError:
-            pass
-    return rows
-
-
-async def _greedy_outputs(model: str | None, tasks: list[Task]) -> tuple[list[list[int]], int]:
-    """The plain greedy output of each task, and the model's vocabulary size."""
-    engine = AsyncEngine(EngineConfig(model, kv=KVConfig(num_pages=128)))
-    await engine.start()
-    try:
-        outs = []
-        for task in tasks:
-            prompt = engine.tokenizer.encode_chat(task.messages, **_tools(task))
-            params = SamplingParams(max_tokens=128, temperature=0, grammar=task.grammar)
-            deltas = await engine.generate(prompt, params)
-            outs.append([t for d in deltas for t in d.token_ids])
-        return outs, engine.vocab_size
-    finally:
-        await engine.stop()
-
-
-def _xgrammar_mask_us(grammars: Any, grammar: Grammar, ids: list[int]) -> float:
-    import torch
-
-    matcher = grammars.matcher(grammar)
-    bits = torch.zeros(1, (matcher.vocab_size + 31) // 32, dtype=torch.int32)
-    times = []
-    for token in ids:
-        start = time.perf_counter()
-        matcher.fill_next_token_bitmask(bits, 0)
-        times.append(time.perf_counter() - start)
-        matcher.accept_token(token)
-    return 1e6 * statistics.median(times)
-
-
-def _llguidance(tokenizer: Tokenizer, vocab: int, grammar: Grammar, ids: list[int]) -> dict:
-    import llguidance  # noqa: PLC0415 - optional: pip install llguidance
-    import llguidance.torch as llt
-
-    start = time.perf_counter()
-    lltok = llguidance.LLTokenizer(
-        tokenizer.tokenizer.to_str(), n_vocab=vocab, eos_token=tokenizer.eos_token_id
-    )
-    tokenizer_s = time.perf_counter() - start
-    schema = json.loads(grammar.source)
-    start = time.perf_counter()
-    source = llguidance.LLMatcher.grammar_from_json_schema(
-        schema, defaults={"whitespace_flexible": False}
-    )
-    matcher = llguidance.LLMatcher(lltok, source)
-    compile_s = time.perf_counter() - start
-    bits = llt.allocate_token_bitmask(1, vocab)
-    times = []
-    for token in ids:
-        start = time.perf_counter()
-        llt.fill_next_token_bitmask(matcher, bits, 0)
-        times.append(time.perf_counter() - start)
-        matcher.consume_token(token)
-    return {
-        "library": "llguidance",
-        "compile_ms": 1e3 * compile_s,
-        "mask_us": 1e6 * statistics.median(times),
-        "tokenizer_s": tokenizer_s,
-    }
-
-
 # ---- the CLI ----
 
 
@@ -339,7 +227,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="passes over the tasks")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--k", type=int, default=4, help="the most draft tokens a step")
-    parser.add_argument("--libraries", action="store_true", help="compare the grammar libraries")
     parser.add_argument("--out", type=Path, default=None, help="write the rows here (JSON)")
     return parser.parse_args(argv)
 
@@ -347,15 +234,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     tasks = load_tasks()
-    if args.libraries:
-        rows = compare_libraries(args.model, tasks)
-        for library in ("xgrammar", "llguidance"):
-            mine = [r for r in rows if r["library"] == library]
-            if mine:
-                compile_ms = statistics.median(r["compile_ms"] for r in mine)
-                mask_us = statistics.median(r["mask_us"] for r in mine)
-                print(f"{library}: compile {compile_ms:.2f} ms, mask {mask_us:.1f} us a token")
-        return 0
     methods = args.methods or [m for m in METHODS if args.model is None or m != "draft"]
     methods = ["none"] + [m for m in methods if m != "none"]  # the baseline, always
     cells = [Cell(args.model, m, True, args) for m in methods]
@@ -375,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results.append(body)
         print(json.dumps(body), flush=True)
     if args.out:
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
+        write_json(args.out, results)
     return 0
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 
 import torch
 
-from bench.common import text_table
+from bench.common import text_table, write_json
 from engine.builder import DEMO_DIR, model_path
 from engine.config import EngineConfig, KVConfig, SpecConfig
 from engine.device import run_on_device
@@ -130,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "distinct", "s"]  # fmt: skip
     print(text_table(header, cells))
     if args.out:
-        args.out.write_text(json.dumps(rows, indent=2) + "\n")
+        write_json(args.out, rows)
     return 0
 
 

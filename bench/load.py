@@ -15,18 +15,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
-import re
 import shlex
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import uvloop
 
-from bench.common import percentile
+from bench.common import metric, percentile, write_json
 from client import TandemClient, TandemError
 
 PROMPTS = [
@@ -84,11 +83,6 @@ async def one_client(client: TandemClient, index: int, leaves: bool, args: Any) 
     except Exception as e:  # a load test reports a broken connection, it does not stop
         out.error = f"{type(e).__name__}: {e}"
     return out
-
-
-def metric(text: str, name: str) -> float | None:
-    found = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
-    return float(found.group(1)) if found else None
 
 
 async def pages_used_after(client: TandemClient, wait_s: float = 10.0) -> int | None:
@@ -154,11 +148,11 @@ def report(r: dict[str, Any]) -> str:
 
 @contextlib.asynccontextmanager
 async def demo_server(server_args: str) -> AsyncIterator[str]:
-    """The demo (or what `server_args` names) served in-process on a free loopback port."""
+    """The demo (or the model `server_args` names) served in-process on a free loopback port."""
     from engine.engine import AsyncEngine
     from server import config_from_args, start_server
 
-    argv = [*shlex.split(server_args), "--host", "127.0.0.1", "--port", "0"]
+    argv = ["--model", "demo", *shlex.split(server_args), "--host", "127.0.0.1", "--port", "0"]
     config, options = config_from_args(argv)
     engine = AsyncEngine(config)
     await engine.start()
@@ -185,16 +179,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-args", default="", help="flags of the in-process server.py")
     p.add_argument("--api-key", help="the server's API key, if it has one")
     p.add_argument("--clients", type=int, default=64, help="concurrent streaming clients")
-    p.add_argument(
-        "--disconnect-fraction",
-        type=float,
-        default=0.33,
-        help="share of the clients that leave halfway through their answer",
-    )
+    p.add_argument("--disconnect-fraction", type=float, default=0.33, help="share leaving halfway")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens each client asks for")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--timeout", type=float, default=300.0, help="bound on the whole run, s")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
     if not 1 <= args.clients <= MAX_CLIENTS:
         p.error(f"--clients must be in 1..{MAX_CLIENTS}")
@@ -214,8 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print(report(results))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+        write_json(args.json, results)
     return 0 if results["ok"] else 1
 
 

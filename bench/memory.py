@@ -19,8 +19,8 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.common import text_table
-from bench.served import server_process
+from bench.common import metric, text_table
+from bench.served import serving
 
 MIB = 2**20
 
@@ -44,10 +44,12 @@ def children(pid: int) -> list[int]:
     return found
 
 
-async def measure(server_args: list[str], idle: float) -> dict[str, int]:
+async def measure(server_args: list[str], idle: float) -> dict[str, float]:
+    """Resident bytes after one chat request and `idle` seconds, the weights' and the KV
+    cache's (what the server reports)."""
     command = [sys.executable, "server.py", *server_args]
     with tempfile.NamedTemporaryFile(suffix=".log") as log:
-        async with server_process(command, Path(log.name), timeout=600) as (url, process):
+        async with serving(command, Path(log.name), timeout=600) as (url, process):
             async with aiohttp.ClientSession() as session:
                 body = {"messages": [{"role": "user", "content": "Name three rivers."}],
                         "max_tokens": 64}  # fmt: skip
@@ -57,11 +59,8 @@ async def measure(server_args: list[str], idle: float) -> dict[str, int]:
                 resident = resident_bytes(process.pid)
                 async with session.get(url + "/metrics") as r:
                     metrics = await r.text()
-    held = {}
-    for line in metrics.splitlines():
-        if line.startswith("tandem_memory_bytes{"):
-            kind = line.split('kind="')[1].split('"')[0]
-            held[kind] = int(float(line.rsplit(" ", 1)[1]))
+    kinds = ("weights", "kv_cache")
+    held = {k: metric(metrics, f'tandem_memory_bytes{{kind="{k}"}}') or 0.0 for k in kinds}
     return {"resident": resident, **held}
 
 

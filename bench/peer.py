@@ -3,32 +3,28 @@
     python -m bench.peer --llama-server PATH --gguf FILE [--model DIR]
         [--draft DIR --draft-gguf FILE] [--eagle DIR] [--mtp DIR]
         [--methods plain draft ngram-simple ngram-mod eagle mtp] [--batches 1 4]
-        [--temperatures 0 1] [--max-tokens 128] [--prompts 8] [--repeats 3] [--k 4]
-        [--fixed-k] [--ttft-tokens 2000] [--threads 2] [--quantization int8] [--rounds 1]
-        [--out bench/results/peer.json]
+        [--temperatures 0 1] [--max-tokens 128] [--prompts 8] [--repeats 3] [--rounds 1]
+        [--k 4] [--fixed-k] [--ttft-tokens 2000] [--quantization int8] [--out F.json]
 
-One server runs at a time. Ours is `server.py --speculative none|draft|ngram|eagle|mtp`;
-llama.cpp's is `llama-server -t THREADS -np BATCH --spec-type none|draft-simple|ngram-simple|
-ngram-mod`, its drafts capped at k tokens like ours (the n-gram lookup lengths stay llama.cpp's
-defaults; `--llama-args` appends flags, which win). llama.cpp drafts k every step; ours lets its
-cost model choose 0..k unless `--fixed-k`. Our one n-gram drafter is measured once and shown on
-both n-gram rows; EAGLE and MTP are ours alone. Both servers
-see the very same token ids: held-out texts (bench/common.py) tokenized with the target's
-tokenizer and sent as id lists to each one's completion route (ours /v1/completions, llama.cpp
-/completion), `--max-tokens` new tokens, EOS ignored, llama.cpp's prompt cache off (ours has
-none) and its top-k, top-p and min-p off, so that temperature 1 samples the model's own
-distribution on both sides.
+One server runs at a time: ours `server.py --speculative none|draft|ngram|eagle|mtp`, llama.cpp's
+`llama-server -np BATCH --spec-type none|draft-simple|ngram-simple|ngram-mod`, its drafts
+capped at k tokens like ours (its n-gram lookup lengths its defaults; `--llama-args` appends
+flags, which win). llama.cpp drafts k every step; ours lets its cost model choose 0..k unless
+`--fixed-k`. Our one n-gram drafter is measured once and shown on both n-gram rows; EAGLE and
+MTP are ours alone. Both servers see the same token ids (held-out texts, tokenized with the
+target's tokenizer, sent to ours /v1/completions and llama.cpp's /completion), EOS ignored,
+llama.cpp's prompt cache and its top-k, top-p and min-p off, so that temperature 1 samples
+the model's own distribution on both sides.
 
 A cell (method, batch, temperature) sends `--prompts` requests in groups of `batch`
 concurrent ones; its tokens/s is output tokens over the groups' wall time at the client, the
-median over the repeats (of every round: `--rounds N` runs the whole plan N times, the two
-sides taking turns, so that the machine's drift over minutes reaches both). Acceptance is
-draft tokens accepted over proposed: ours from the spec counters of /metrics, llama.cpp's
-from the `timings` of its responses. Time to first token is
-the wall time of a one-token request on a `--ttft-tokens` prompt at batch 1 (median). The floor
-is the target's weight bytes as each server holds them (ours float32, llama.cpp's as its
-/v1/models reports) over the read bandwidth of bench/bandwidth.py: the least time a batch-1
-forward can take.
+median over the repeats of every round (`--rounds N` runs the whole plan N times, the sides
+taking turns, so that the machine's drift over minutes reaches both). Acceptance is draft
+tokens accepted over proposed: ours from /metrics, llama.cpp's from its responses' `timings`.
+Time to first token: the median wall time of a one-token request on a `--ttft-tokens` prompt
+at batch 1. The floor is the target's weight bytes as each server reports holding them (ours
+from its plain launch) over the machine's read bandwidth, measured before any server starts:
+the least time a batch-1 forward can take.
 """
 
 from __future__ import annotations
@@ -37,27 +33,28 @@ import argparse
 import asyncio
 import itertools
 import json
-import math
-import re
 import shlex
 import statistics
 import sys
 import tempfile
 import time
+from argparse import Namespace
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import gguf
-from safetensors import safe_open
 
-from bench.bandwidth import floor_seconds, measure_bandwidth
-from bench.common import heldout_prompts
-from bench.peer_tables import speed_table, ttft_table
+from bench.common import (
+    heldout_prompts,
+    metric,
+    read_bandwidth,
+    request_groups,
+    text_table,
+    write_json,
+)
 from bench.served import serving
-from models.loader import safetensors_files
 from models.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,10 +70,7 @@ METHODS: dict[str, tuple[str | None, str | None]] = {
     "mtp": ("mtp", None),
 }
 # our /metrics counters of draft tokens proposed and accepted
-SPEC_COUNTERS = (
-    "tandem_spec_decode_num_draft_tokens_total",
-    "tandem_spec_decode_num_accepted_tokens_total",
-)
+SPEC_COUNTERS = [f"tandem_spec_decode_num_{n}_tokens_total" for n in ("draft", "accepted")]
 
 
 # ---- the two servers: how each is started and spoken to ----
@@ -117,7 +111,7 @@ class Side:
 
 
 TANDEM = Side("tandem", "/v1/completions", "max_tokens", {}, tandem_reply, spec_metrics=True)
-# no prompt cache (ours has none); top-k, top-p and min-p off (ours are off by default)
+# its prompt cache off; top-k, top-p and min-p off (ours are off by default)
 LLAMA_FIELDS = {"cache_prompt": False, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
 LLAMA = Side("llama.cpp", "/completion", "n_predict", LLAMA_FIELDS, llama_reply, False)
 
@@ -133,7 +127,7 @@ class Launch:
     command: tuple[str, ...]
 
 
-def tandem_launch(spec: str, args: argparse.Namespace) -> Launch:
+def tandem_launch(spec: str, args: Namespace) -> Launch:
     heads = {"draft": args.draft, "eagle": args.eagle, "mtp": args.mtp}
     command = [sys.executable, "server.py", "--model", str(args.model), "--speculative", spec]
     if spec in heads:
@@ -145,28 +139,28 @@ def tandem_launch(spec: str, args: argparse.Namespace) -> Launch:
     return Launch(TANDEM, spec, 0, tuple(command))
 
 
-def llama_spec_flags(spec: str, args: argparse.Namespace) -> list[str]:
-    """--spec-type and the flags that cap its drafts at k tokens."""
-    k = str(args.k)
+def llama_spec_flags(spec: str, k: int, draft_gguf: Path | None = None) -> list[str]:
+    """llama-server's --spec-type and the flags that cap its drafts at k tokens."""
     flags = {
         "none": [],
-        "draft-simple": ["-md", str(args.draft_gguf), "--spec-draft-n-max", k],
-        "ngram-simple": ["--spec-ngram-simple-size-m", k],
-        "ngram-mod": ["--spec-ngram-mod-n-max", k, "--spec-ngram-mod-n-min", "1"],
+        "draft-simple": ["-md", str(draft_gguf), "--spec-draft-n-max", str(k)],
+        "ngram-simple": ["--spec-ngram-simple-size-m", str(k)],
+        "ngram-mod": ["--spec-ngram-mod-n-max", str(k), "--spec-ngram-mod-n-min", "1"],
     }[spec]
     return ["--spec-type", spec, *flags]
 
 
-def llama_launch(spec: str, slots: int, context: int, args: argparse.Namespace) -> Launch:
+def llama_launch(spec: str, slots: int, context: int, args: Namespace) -> Launch:
     """llama-server with `slots` slots of `context` tokens each."""
     threads = str(args.threads)
     command = [str(args.llama_server), "-m", str(args.gguf), "-t", threads, "-tb", threads]
     command += ["-np", str(slots), "-c", str(slots * context), "--host", "127.0.0.1"]
-    command += ["--no-webui", *llama_spec_flags(spec, args), *shlex.split(args.llama_args)]
+    flags = llama_spec_flags(spec, args.k, args.draft_gguf)
+    command += ["--no-webui", *flags, *shlex.split(args.llama_args)]
     return Launch(LLAMA, spec, slots, tuple(command))
 
 
-def launches(args: argparse.Namespace, context: int) -> list[Launch]:
+def launches(args: Namespace, context: int) -> list[Launch]:
     """Each server to run, in method order: ours per --speculative (it serves every batch),
     llama.cpp's per --spec-type and batch (-np); one that two methods share runs once."""
     out: dict[tuple, Launch] = {}
@@ -201,10 +195,9 @@ class Client:
     url: str
     side: Side
 
-    async def get(self, route: str) -> aiohttp.ClientResponse:
+    async def get(self, route: str) -> str:
         async with self.session.get(self.url + route) as response:
-            await response.read()
-            return response
+            return await response.text()
 
     async def post(self, body: JSON) -> JSON:
         async with self.session.post(self.url + self.side.route, json=body) as response:
@@ -227,18 +220,20 @@ class Client:
 
     async def spec_counts(self) -> list[int]:
         """Our drafted and accepted token counters, from /metrics."""
-        text = await (await self.get("/metrics")).text()
-        found = [re.search(rf"^{name} (\S+)$", text, re.MULTILINE) for name in SPEC_COUNTERS]
-        return [int(float(m.group(1))) if m else 0 for m in found]
+        text = await self.get("/metrics")
+        return [int(metric(text, name) or 0) for name in SPEC_COUNTERS]
 
-    async def llama_weight_bytes(self) -> int:
-        """The target's tensor bytes, as llama-server's /v1/models reports them."""
-        models = await (await self.get("/v1/models")).json()
-        return int(models["data"][0]["meta"]["size"])
+    async def weight_bytes(self) -> int:
+        """The weight bytes the server holds: llama.cpp's target's (/v1/models), or ours
+        (/metrics: the drafter's too, where it has one)."""
+        if self.side is LLAMA:
+            models = json.loads(await self.get("/v1/models"))
+            return int(models["data"][0]["meta"]["size"])
+        return int(metric(await self.get("/metrics"), 'tandem_memory_bytes{kind="weights"}') or 0)
 
 
 async def measure_cell(
-    client: Client, groups: list[list[list[int]]], temperature: float, args: argparse.Namespace
+    client: Client, groups: list[list[list[int]]], temperature: float, args: Namespace
 ) -> Cell:
     cell = Cell()
     before = await client.spec_counts() if client.side.spec_metrics else None
@@ -258,24 +253,16 @@ async def measure_cell(
     return cell
 
 
-async def ttft_seconds(client: Client, prompt: list[int], repeats: int) -> float:
-    """Time to first token: the median wall time of a one-token greedy request."""
-    times = [(await client.group([prompt], 1, 0.0, seed))[0] for seed in range(repeats)]
-    return statistics.median(times)
-
-
 async def measure_launch(
-    launch: Launch,
-    prompts: list[list[int]],
-    ttft_prompt: list[int] | None,
-    args: argparse.Namespace,
+    launch: Launch, prompts: list[list[int]], ttft_prompt: list[int] | None, args: Namespace
 ) -> JSON:
-    """Every cell a launch serves, its time to first token at batch 1, llama.cpp's weight bytes."""
+    """Every cell a launch serves, its time to first token at batch 1, and its target's weight
+    bytes (a plain launch's, on our side)."""
     batches = [launch.slots] if launch.slots else args.batches
     log = args.log_dir / f"{launch.side.name}-{launch.spec}-np{launch.slots}.log"
     timeout = aiohttp.ClientTimeout(total=None, sock_read=args.request_timeout)
     result: JSON = {"cells": {}}
-    async with serving(launch.command, log, args.startup_timeout) as url:
+    async with serving(launch.command, log, args.startup_timeout) as (url, _):
         async with aiohttp.ClientSession(timeout=timeout) as session:
             client = Client(session, url, launch.side)
             for batch in batches:
@@ -283,17 +270,12 @@ async def measure_launch(
                 await client.group(groups[0], 8, 0.0, 0)  # warm-up, untimed
                 for temp in args.temperatures:
                     result["cells"][(batch, temp)] = await measure_cell(client, groups, temp, args)
-            if ttft_prompt and 1 in batches:
-                result["ttft"] = await ttft_seconds(client, ttft_prompt, args.repeats)
-            if launch.side is LLAMA:
-                result["weight_bytes"] = await client.llama_weight_bytes()
+            if ttft_prompt and 1 in batches:  # a one-token greedy request's wall time
+                ttfts = [await client.group([ttft_prompt], 1, 0.0, s) for s in range(args.repeats)]
+                result["ttft"] = statistics.median(seconds for seconds, _ in ttfts)
+            if launch.side is LLAMA or launch.spec == "none":
+                result["weight_bytes"] = await client.weight_bytes()
     return result
-
-
-def request_groups(prompts: list[list[int]], batch: int, count: int) -> list[list[list[int]]]:
-    """ceil(count / batch) groups of `batch` prompts, taken in order (wrapping)."""
-    groups = max(1, -(-count // batch))
-    return [[prompts[(g * batch + i) % len(prompts)] for i in range(batch)] for g in range(groups)]
 
 
 # ---- inputs ----
@@ -310,20 +292,6 @@ def bench_prompts(tokenizer: Tokenizer, count: int, ttft_tokens: int) -> tuple[l
     if len(joined) < ttft_tokens:
         raise RuntimeError(f"the held-out texts hold {len(joined)} tokens, under --ttft-tokens")
     return prompts, joined[:ttft_tokens]
-
-
-def tandem_weight_bytes(directory: Path, int8: bool = False) -> int:
-    """The target's weights as our server holds them: float32 (a tied matrix is stored once;
-    a GGUF file's tensors are dequantized), or with `--quantization int8` a byte for each
-    element of a matrix (its scales, a float a row, left out)."""
-    if directory.suffix == ".gguf":
-        shapes = [[int(d) for d in t.shape] for t in gguf.GGUFReader(str(directory)).tensors]
-    else:
-        shapes = []
-        for path in safetensors_files(directory):
-            with safe_open(str(path), framework="pt") as f:
-                shapes += [f.get_slice(name).get_shape() for name in f.keys()]
-    return sum(math.prod(s) * (1 if int8 and len(s) == 2 else 4) for s in shapes)
 
 
 # ---- rows and outputs ----
@@ -356,7 +324,7 @@ def cell_json(cell: Cell) -> JSON:
     return {"tokens_per_s": statistics.median(cell.rates), "rates": cell.rates} | summary
 
 
-def build_rows(results: dict[tuple, JSON], args: argparse.Namespace) -> list[JSON]:
+def build_rows(results: dict[tuple, JSON], args: Namespace) -> list[JSON]:
     """One row per method, batch and temperature, with each side's cell where it has one."""
     rows = []
     for method, batch, temp in itertools.product(args.methods, args.batches, args.temperatures):
@@ -368,7 +336,7 @@ def build_rows(results: dict[tuple, JSON], args: argparse.Namespace) -> list[JSO
     return rows
 
 
-def ttft_rows(results: dict[tuple, JSON], args: argparse.Namespace) -> dict[str, JSON]:
+def ttft_rows(results: dict[tuple, JSON], args: Namespace) -> dict[str, JSON]:
     """Per method, each side's time to first token in seconds (batch 1)."""
     rows: dict[str, JSON] = {}
     for method, side in itertools.product(args.methods, (TANDEM, LLAMA)):
@@ -378,15 +346,47 @@ def ttft_rows(results: dict[tuple, JSON], args: argparse.Namespace) -> dict[str,
     return rows
 
 
-def write_json(path: Path, report: JSON) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+def ratio(ours: float | None, theirs: float | None) -> str:
+    return f"{ours / theirs:.2f}x" if ours and theirs else "-"
+
+
+def cell_texts(cell: JSON | None) -> list[str]:
+    """tokens/s and accepted/drafted (share) of one side's cell, or dashes."""
+    if not cell:
+        return ["-", "-"]
+    if not cell["drafted"]:
+        return [f"{cell['tokens_per_s']:.1f}", "-"]
+    drafts = f"{cell['accepted']}/{cell['drafted']} ({cell['acceptance']:.0%})"
+    return [f"{cell['tokens_per_s']:.1f}", drafts]
+
+
+def speed_table(rows: list[JSON], floor_ms: dict[str, float]) -> str:
+    """Each side's speed and acceptance per cell, their ratio and the floors."""
+    floor = " / ".join(f"{floor_ms.get(side.name, 0):.1f}" for side in (TANDEM, LLAMA))
+    lines = []
+    for row in rows:
+        ours, theirs = row.get(TANDEM.name), row.get(LLAMA.name)
+        speeds = [c["tokens_per_s"] if c else None for c in (ours, theirs)]
+        head = [row["method"], str(row["batch"]), f"{row['temperature']:g}"]
+        lines.append(head + cell_texts(ours) + cell_texts(theirs) + [ratio(*speeds), floor])
+    header = ["method", "batch", "T", "tandem tok/s", "accepted", "llama.cpp tok/s", "accepted"]
+    return text_table(header + ["tandem / llama.cpp", "floor ms (tandem / llama.cpp)"], lines)
+
+
+def ttft_table(rows: dict[str, JSON], tokens: int) -> str:
+    lines = []
+    for method, row in rows.items():
+        ours, theirs = row.get(TANDEM.name), row.get(LLAMA.name)
+        ms = [f"{1000 * s:.0f}" if s else "-" for s in (ours, theirs)]
+        lines.append([method, *ms, ratio(theirs, ours)])  # shorter is better: theirs over ours
+    header = [f"method ({tokens}-token prompt)", "tandem TTFT ms", "llama.cpp TTFT ms"]
+    return text_table([*header, "llama.cpp / tandem"], lines)
 
 
 # ---- command line ----
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.peer", description=__doc__.split("\n")[0])
     p.add_argument("--llama-server", type=Path, required=True, help="llama.cpp's llama-server")
     p.add_argument("--gguf", type=Path, required=True, help="the target for llama.cpp")
@@ -401,14 +401,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
     p.add_argument("--prompts", type=int, default=8, help="requests per cell (>= one batch)")
     p.add_argument("--repeats", type=int, default=3, help="of each cell (median)")
-    p.add_argument(
-        "--rounds", type=int, default=1, help="times the whole plan runs, the sides in turn"
-    )
+    p.add_argument("--rounds", type=int, default=1, help="runs of the plan, the sides in turn")
     p.add_argument("--k", type=int, default=4, help="draft tokens a step, at most (both sides)")
     p.add_argument("--fixed-k", action="store_true", help="ours drafts k every step")
-    p.add_argument(
-        "--ttft-tokens", type=int, default=2000, help="time-to-first-token prompt; 0: none"
-    )
+    p.add_argument("--ttft-tokens", type=int, default=2000, help="its prompt; 0: none")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's -t and the bandwidth's")
     p.add_argument("--server-args", default="", help="more flags for server.py")
     p.add_argument("--quantization", choices=["int8"], help="our server's --quantization")
@@ -429,10 +425,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run(args: argparse.Namespace) -> JSON:
+def run(args: Namespace) -> JSON:
     """The whole comparison: prints the tables, writes the JSON, returns the report."""
     start = time.perf_counter()
-    bandwidth = measure_bandwidth(args.threads)  # before any server takes the cores
+    bandwidth = read_bandwidth(args.threads)  # before any server takes the cores
     prompts, ttft_prompt = bench_prompts(Tokenizer(args.model), args.prompts, args.ttft_tokens)
     plan = launches(args, max(map(len, prompts)) + args.max_tokens + 2 * args.k + 8)
     results: dict[tuple, JSON] = {}
@@ -443,11 +439,11 @@ def run(args: argparse.Namespace) -> JSON:
             key = (launch.side.name, launch.spec, launch.slots)
             result = asyncio.run(measure_launch(launch, prompts, ttft_prompt, args))
             results[key] = merged(results[key], result) if key in results else result
-    weights = {TANDEM.name: tandem_weight_bytes(args.model, args.quantization == "int8")}
-    for result in results.values():  # every llama.cpp launch holds the same GGUF
+    weights = {}  # every llama.cpp launch holds the same GGUF
+    for (side, _, _), result in results.items():
         if "weight_bytes" in result:
-            weights[LLAMA.name] = result["weight_bytes"]
-    floor_ms = {side: 1000 * floor_seconds(n, bandwidth) for side, n in weights.items()}
+            weights[side] = result["weight_bytes"]
+    floor_ms = {side: 1000 * n / bandwidth for side, n in weights.items()}
     rows, ttft = build_rows(results, args), ttft_rows(results, args)
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; weights (MB): ", end="")
     print(", ".join(f"{side} {n / 1e6:.0f}" for side, n in weights.items()))
@@ -459,10 +455,7 @@ def run(args: argparse.Namespace) -> JSON:
         "bandwidth_bytes_per_s": bandwidth,
         "weight_bytes": weights,
         "floor_ms": floor_ms,
-        "launches": [
-            {"side": la.side.name, "spec": la.spec, "slots": la.slots, "command": la.command}
-            for la in plan
-        ],
+        "commands": [launch.command for launch in plan],
         "rows": rows,
         "ttft_s": ttft,
         "seconds": time.perf_counter() - start,

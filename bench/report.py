@@ -1,7 +1,7 @@
 """What bench.speed makes of its samples: one row per cell (medians and pooled acceptance),
-the speedup over `none`, the ideal speedup and efficiency, issue 11's aims, and the outputs
-(a Markdown table, a JSON file, a PNG plot). With a step's forwards timed alone at the cell's
-shapes, in the step's order (bench/runners.py):
+the speedup over `none`, the ideal speedup and efficiency, issue 11's aims, and the Markdown
+table. With a step's forwards timed alone at the cell's shapes, in the step's order
+(bench/runners.py):
 
     ideal      = tau * step time without speculation / forwards
     efficiency = decode speedup / ideal = forwards / step time
@@ -19,17 +19,12 @@ sum of the warm forwards).
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import statistics
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
-import torch
-
-from bench.common import percentile
+from bench.common import percentile, text_table
 from bench.runners import HF_METHODS, Sample
 
 
@@ -87,14 +82,13 @@ def build_rows(samples: dict[tuple, list[Sample]]) -> list[dict[str, Any]]:
     """One row per cell: the summary, the speedup over `none` at the same batch size and
     temperature, and for engine methods the ideal speedup and efficiency."""
     rows = {cell: summarize(s) for cell, s in samples.items()}
-    base = {(b, t): r for (m, b, t), r in rows.items() if m.kind == "none"}
+    base = {(b, t): r for (m, b, t), r in rows.items() if m == "none"}
     out = []
     for (method, batch, temp), summary in rows.items():
-        row = {"method": method.name, "kind": method.kind, "k_mode": method.k_mode}
-        row |= {"batch": batch, "temperature": temp, **summary}
+        row = {"method": method, "batch": batch, "temperature": temp, **summary}
         none = base.get((batch, temp))
         row["speedup"] = row["tokens_per_s"] / none["tokens_per_s"] if none else math.nan
-        if none and not method.is_hf and not math.isnan(row["step_ms"] + none["step_ms"]):
+        if none and method not in HF_METHODS and not math.isnan(row["step_ms"] + none["step_ms"]):
             row |= efficiency(row, none["step_ms"])
         out.append(row)
     return out
@@ -103,30 +97,23 @@ def build_rows(samples: dict[tuple, list[Sample]]) -> list[dict[str, Any]]:
 # ---- the aims ----
 
 
-def find(rows: list[dict], kind: str, batch: int, temp: float) -> dict | None:
-    return next(
-        (r for r in rows if (r["kind"], r["batch"], r["temperature"]) == (kind, batch, temp)),
-        None,
-    )
+def find(rows: list[dict], method: str, batch: int, temp: float) -> dict | None:
+    cell = (method, batch, temp)
+    return next((r for r in rows if (r["method"], r["batch"], r["temperature"]) == cell), None)
 
 
 def aims(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Issue 11's requirements and aims at batch 1, each with its measured value, whether it
-    is met, and what limits the row (tau, cost ratio, overhead, efficiency)."""
-    drafters = [r for r in rows if r["batch"] == 1 and r["kind"] not in ("none", *HF_METHODS)]
-    out = [  # a drafter whose efficiency could not be measured shows as not met (NaN)
-        aim(
-            f"efficiency of {r['method']} at t={r['temperature']:g}",
-            r,
-            r.get("efficiency", math.nan),
-            0.85,
-            spread=r.get("efficiency_range"),
-        )
-        for r in drafters
-    ]
+    is met, and what limits the row (tau, cost ratio, overhead, efficiency). A drafter whose
+    efficiency could not be measured shows as not met (NaN)."""
+    drafters = [r for r in rows if r["batch"] == 1 and r["method"] not in ("none", *HF_METHODS)]
+    out = []
+    for r in drafters:
+        name = f"efficiency of {r['method']} at t={r['temperature']:g}"
+        out.append(aim(name, r, r.get("efficiency", math.nan), 0.85, r.get("efficiency_range")))
     for temp in sorted({r["temperature"] for r in rows}):
-        kinds = ("none", "hf-generate", "hf-assisted")
-        none, plain, assisted = (find(rows, kind, 1, temp) for kind in kinds)
+        compared = ("none", "hf-generate", "hf-assisted")
+        none, plain, assisted = (find(rows, m, 1, temp) for m in compared)
         mine = [r for r in drafters if r["temperature"] == temp]
         best = max(mine, key=lambda r: r["tokens_per_s"], default=None)
         if none and plain:
@@ -137,9 +124,8 @@ def aims(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append(aim(name, best, best["speedup"], 2.0 if temp == 0 else 1.5))
         if best and assisted and temp == 0:
             ratio = best["tokens_per_s"] / assisted["tokens_per_s"]
-            out.append(
-                aim(f"best drafter ({best['method']}) / hf-assisted at t=0", best, ratio, 1.5)
-            )
+            name = f"best drafter ({best['method']}) / hf-assisted at t=0"
+            out.append(aim(name, best, ratio, 1.5))
     draft = find(rows, "draft", 1, 0.0)
     if draft:
         out.append(aim("draft / none at t=0", draft, draft["speedup"], 1.6))
@@ -202,63 +188,6 @@ def cell_text(value: Any, fmt: str | None) -> str:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    head = "| " + " | ".join(c[0] for c in COLUMNS) + " |"
-    rule = "|" + "---|" * len(COLUMNS)
     order = sorted(rows, key=lambda r: (r["temperature"], r["batch"]))
-    body = [
-        "| " + " | ".join(cell_text(r.get(key), fmt) for _, key, fmt in COLUMNS) + " |"
-        for r in order
-    ]
-    return "\n".join([head, rule, *body])
-
-
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Tokens/s by batch size, one line per engine method and a marker per transformers
-    method, one panel per temperature."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    temps = sorted({r["temperature"] for r in rows})
-    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4.5), squeeze=False)
-    for ax, temp in zip(axes[0], temps, strict=True):
-        for name in dict.fromkeys(r["method"] for r in rows):
-            mine = sorted(
-                (r for r in rows if r["method"] == name and r["temperature"] == temp),
-                key=lambda r: r["batch"],
-            )
-            style = "s" if mine and mine[0]["kind"] in HF_METHODS else "o-"
-            ax.plot(
-                [r["batch"] for r in mine], [r["tokens_per_s"] for r in mine], style, label=name
-            )
-        batches = sorted({r["batch"] for r in rows})
-        ax.set(xlabel="batch size", ylabel="output tokens/s", title=f"temperature {temp:g}")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(batches, labels=[str(b) for b in batches])
-        ax.minorticks_off()
-        ax.grid(True, alpha=0.3)
-    axes[0][-1].legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def write_json(path: Path, args: argparse.Namespace, rows: list, goals: list, wall: float) -> None:
-    """The settings, the rows and the aims as standard JSON (NaN written as null)."""
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    document = {"settings": settings, "threads": torch.get_num_threads(), "wall_s": wall}
-    document |= {"rows": rows, "aims": goals}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(without_nan(document), indent=2) + "\n")
-
-
-def without_nan(value: Any) -> Any:
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: without_nan(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [without_nan(v) for v in value]
-    return value
+    cells = [[cell_text(r.get(key), fmt) for _, key, fmt in COLUMNS] for r in order]
+    return text_table([name for name, _, _ in COLUMNS], cells)

@@ -1,7 +1,7 @@
 """The runners of bench.speed, one per method: each runs a cell (method, batch size,
 temperature) and returns a Sample of what it cost. EngineRunner drives our AsyncEngine and
 reads its step timeline and metrics; HFRunner drives transformers' `generate` at batch 1.
-Also the names of the methods and the Sample a cell fills, which the CLI and the report share.
+Also the methods' names and the Sample a cell fills, which the CLI and the report share.
 
 An engine cell's step time is the mean wall time of a decode step while the whole group
 decodes (from the step timeline). After the cell, on the engine's compute thread, the step's
@@ -37,49 +37,23 @@ from typing import Any
 
 import torch
 
-from bench.common import median_seconds, paged_attention, paged_tables
+from bench.common import forward_call, median_seconds
 from engine.config import EngineConfig, SpecConfig
 from engine.device import Stream
 from engine.engine import AsyncEngine
 from engine.request import FinishReason, SamplingParams
 from engine.trace import Tracer
-from kv.cache import KVCache
-from models.deepseek import DeepseekModel
-from models.llama import LlamaModel
 from stages.draft import NoDrafter
 
-ENGINE_METHODS = (
-    "none",
-    "draft",
-    "ngram",
-    "eagle-chain",
-    "eagle-fixed",
-    "eagle-dynamic",
-    "mtp-1",
-    "mtp-k",
-)
+ENGINE_METHODS = ("none", "draft", "ngram", "eagle-chain", "eagle-fixed", "eagle-dynamic",
+                  "mtp-1", "mtp-k")  # fmt: skip
 HF_METHODS = ("hf-generate", "hf-assisted", "hf-prompt-lookup")
-PAGE_SIZE = 16
 TRACE_KEEP = 1 << 20  # step-timeline records kept in memory (a cell clears them)
 FORWARD_REPEATS = 9  # timed calls per forward or step measured alone, per cell and repeat
 
 
 class MethodUnavailable(RuntimeError):
     """A method that was asked for cannot run as the code stands; the message says why."""
-
-
-@dataclass(frozen=True)
-class Method:
-    kind: str  # one of ENGINE_METHODS or HF_METHODS
-    k_mode: str = "fixed"  # "fixed": k as given; "engine": the engine's default choice of k
-
-    @property
-    def name(self) -> str:
-        return self.kind if self.k_mode == "fixed" else f"{self.kind} (engine k)"
-
-    @property
-    def is_hf(self) -> bool:
-        return self.kind in HF_METHODS
 
 
 @dataclass
@@ -114,9 +88,7 @@ class Sample:
 class EngineRunner:
     """Runs request groups through one AsyncEngine and reads back what they cost."""
 
-    def __init__(
-        self, method: Method, config: EngineConfig, seeded: bool = False, eos: bool = False
-    ):
+    def __init__(self, method: str, config: EngineConfig, seeded: bool = False, eos: bool = False):
         """seeded: requests carry seeds (sampled ones then draw by the seeded coupling);
         without, the engine seeds them and they take the rejection rule. eos: a request ends
         at the end of its answer (else it runs to max_tokens)."""
@@ -125,7 +97,7 @@ class EngineRunner:
         try:
             self.engine = AsyncEngine(config)
         except Exception as error:  # a drafter that is not built or not trained fails loudly
-            raise MethodUnavailable(f"{method.name}: {type(error).__name__}: {error}") from error
+            raise MethodUnavailable(f"{method}: {type(error).__name__}: {error}") from error
         self.engine.tracer = Tracer(keep=TRACE_KEEP)  # the step timeline, in memory
         self.draft_module = drafter_module(method, self.engine.drafter)
 
@@ -172,7 +144,7 @@ class EngineRunner:
         async for delta in stream:
             now, n = time.perf_counter(), len(delta.token_ids)
             if delta.finish_reason == FinishReason.ERROR:
-                raise RuntimeError(f"{self.method.name}: a request failed: {delta.error}")
+                raise RuntimeError(f"{self.method}: a request failed: {delta.error}")
             if n and last is None:
                 sample.ttfts.append(now - start)
             elif n:
@@ -259,7 +231,7 @@ def context_seen(groups: list[list[list[int]]], max_tokens: int) -> int:
     return round(statistics.fmean(lengths) + max_tokens / 2)
 
 
-def drafter_module(method: Method, drafter: Any) -> torch.nn.Module | None:
+def drafter_module(method: str, drafter: Any) -> torch.nn.Module | None:
     """The model a drafter runs (None for drafters that run none); resolved before measuring
     so that a drafter this benchmark cannot time fails at once."""
     if isinstance(drafter, NoDrafter):
@@ -269,7 +241,7 @@ def drafter_module(method: Method, drafter: Any) -> torch.nn.Module | None:
         if isinstance(module, torch.nn.Module):
             return module
     raise MethodUnavailable(
-        f"{method.name}: cannot time the {type(drafter).__name__}'s forward alone "
+        f"{method}: cannot time the {type(drafter).__name__}'s forward alone "
         "(it has no `model` or `head` module)"
     )
 
@@ -292,44 +264,11 @@ def decode_steps(records: list[dict], batch: int) -> tuple[list[float], list[flo
     tokens and refill forward's tokens, a sequence."""
     plans = {r["step"]: r for r in records if r["stage"] == "plan"}
     refills = {r["step"]: r for r in records if r["stage"] == "refill"}
-    chosen = decode_step_ids(records, batch)
+    full = {s for s, p in plans.items() if p["kind"] == "decode" and p["batch_size"] == batch}
+    chosen = sorted(s for s in full & set(refills) if s - 1 in full and s - 1 in refills)
     steps = [refills[s]["end"] - refills[s - 1]["end"] for s in chosen]
     widths = [plans[s]["num_tokens"] / batch for s in chosen]
     return steps, widths, [refills[s]["drafter_tokens"] for s in chosen]
-
-
-def decode_step_ids(records: list[dict], batch: int) -> list[int]:
-    """The steps `decode_steps` times: full-batch decode steps after another such step, both
-    with their refill recorded."""
-    plans = {r["step"]: r for r in records if r["stage"] == "plan"}
-    ends = {r["step"] for r in records if r["stage"] == "refill"}
-    full = sorted(s for s, p in plans.items() if p["kind"] == "decode" and p["batch_size"] == batch)
-    members = set(full)
-    return [s for s in full if s - 1 in members and s in ends and s - 1 in ends]
-
-
-def forward_call(
-    module: torch.nn.Module,
-    vocab: int,
-    batch: int,
-    context: int,
-    q_len: int,
-    last_logits: bool = False,
-) -> Callable[[], object]:
-    """One forward plus logits of `module` over q_len tokens a sequence for `batch` sequences
-    with `context` tokens of KV each, ready to call: logits of every token, or (last_logits)
-    of each sequence's last. A LlamaModel reads token ids; a head also reads the target's
-    hidden states (random here: the cost is the same)."""
-    cfg: Any = module.config
-    allocator, tables = paged_tables(batch, context + q_len, PAGE_SIZE)
-    cache = KVCache(cfg.num_layers, allocator.num_pages, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim)
-    attn, positions = paged_attention(tables, cache, cfg.num_heads, context, q_len)
-    ids = torch.randint(vocab, (batch * q_len,))  # [T]
-    rows = slice(q_len - 1, None, q_len) if last_logits else slice(None)  # of the [T] tokens
-    if isinstance(module, LlamaModel | DeepseekModel):
-        return lambda: module.logits(module(ids, positions, attn)[0][rows])
-    hidden = torch.randn(batch * q_len, cfg.hidden_size)  # [T, H]
-    return lambda: module.logits(module(ids, hidden, positions, attn)[rows])
 
 
 # ---- transformers ----
@@ -341,7 +280,7 @@ class HFRunner:
     forwards (a CPU stream: engine/device.py)."""
 
     def __init__(
-        self, method: Method, target: Any, assistant: Any, k: int, eos: int, stop: bool = False
+        self, method: str, target: Any, assistant: Any, k: int, eos: int, stop: bool = False
     ):
         """eos: the end-of-sequence id; stop: whether a generation ends there."""
         self.method, self.target, self.assistant = method, target, assistant
@@ -382,7 +321,7 @@ class HFRunner:
         sample.tokens += new
         sample.ttfts.append(streamer.times[0] - start)
         sample.gaps += streamer.gaps()
-        if self.method.kind != "hf-generate":  # every forward after the prefill verifies
+        if self.method != "hf-generate":  # every forward after the prefill verifies
             sample.spec_steps += self.forwards - 1
             sample.accepted += new - self.forwards
 
@@ -395,9 +334,9 @@ class HFRunner:
             if temperature
             else {"do_sample": False}
         )
-        if self.method.kind == "hf-assisted":
+        if self.method == "hf-assisted":
             kw["assistant_model"] = self.assistant
-        elif self.method.kind == "hf-prompt-lookup":
+        elif self.method == "hf-prompt-lookup":
             kw["prompt_lookup_num_tokens"] = self.k
         return kw
 

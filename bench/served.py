@@ -22,18 +22,11 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def serving(command: Sequence[str], log: Path, timeout: float) -> AsyncIterator[str]:
-    """Start the server (`command`, on a free port), yield its URL once /health answers 200,
-    stop it on the way out. Its output goes to `log`."""
-    async with server_process(command, log, timeout) as (url, _):
-        yield url
-
-
-@contextlib.asynccontextmanager
-async def server_process(
+async def serving(
     command: Sequence[str], log: Path, timeout: float
 ) -> AsyncIterator[tuple[str, subprocess.Popen]]:
-    """`serving`, yielding the process too."""
+    """Start the server (`command`, on a free port), yield its URL and process once /health
+    answers 200, stop it on the way out. Its output goes to `log`."""
     port = free_port()
     command = [*command, "--port", str(port)]
     with open(log, "w") as out:

@@ -1,8 +1,8 @@
 """Speed of every drafter against no speculation and against transformers, in one run.
 
     python -m bench.speed [--methods M ...] [--batches 1 4 16] [--temperatures 0 1]
-        [--repeats 5] [--max-tokens 128] [--prompts 8] [--k 4] [--k-mode fixed]
-        [--out bench/results/speed.json] [--plot bench/results/speed.png]
+        [--repeats 5] [--max-tokens 128] [--prompts 8] [--k 4] [--k-mode fixed|engine]
+        [--seeded] [--eos] [--batch-invariant] [--out F.json]
 
 On the held-out prompts, for each method, batch size and temperature: output tokens/s, time to
 first token, inter-token latency p50/p99 (each token counted with its share of the wait), mean
@@ -13,10 +13,13 @@ over the repeats, which are interleaved: each repeat runs every method once, rou
 before the next repeat starts. At batch 1 the same prompts also run through transformers:
 plain `generate`, assisted generation with the draft model (a constant `num_assistant_tokens`
 = k) and prompt lookup. A cell's `prompts` requests run in groups of `batch` concurrent
-requests (at least one group).
+requests (at least one group). `--k-mode engine` leaves k to the engine's cost model (mtp-1
+and the trees keep theirs); `--seeded` gives requests seeds (sampled ones then draw by the
+seeded coupling); `--eos` ends a request at its end of sequence (by default every request
+decodes --max-tokens).
 
 This module owns the command line, the methods' configurations and the measuring loop; the
-runners live in bench/runners.py and the rows, aims and outputs in bench/report.py.
+runners live in bench/runners.py and the rows, aims and the table in bench/report.py.
 """
 
 from __future__ import annotations
@@ -26,21 +29,20 @@ import asyncio
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from bench.common import heldout_prompts
-from bench.report import aim_line, aims, build_rows, markdown_table, plot, write_json
+from bench.common import PAGE_SIZE, heldout_prompts, request_groups, write_json
+from bench.report import aim_line, aims, build_rows, markdown_table
 from bench.runners import (
     ENGINE_METHODS,
     HF_METHODS,
-    PAGE_SIZE,
     EngineRunner,
     HFRunner,
-    Method,
     MethodUnavailable,
     Runner,
     Sample,
@@ -54,91 +56,64 @@ from models.tokenizer import Tokenizer
 from train import chat_data
 
 MIN_REPEATS = 5
+# their k fixed: the cost model picks k for chains with the host in the loop only
+PINNED_K = ("mtp-1", "eagle-fixed", "eagle-dynamic")
 
 
 # ---- methods -> configurations ----
 
 
-def k_mode_fields(k_mode: str) -> dict[str, Any]:
-    """SpecConfig overrides that pin k (fixed) or leave the cost model's choice (engine)."""
-    return {"adaptive_k": False} if k_mode == "fixed" else {}
-
-
-def spec_config(method: Method, args: argparse.Namespace) -> SpecConfig:
+def spec_config(method: str, args: argparse.Namespace) -> SpecConfig:
     """The speculative configuration of an engine method; MethodUnavailable if not built."""
-    base, _, variant = method.kind.partition("-")
+    base, _, variant = method.partition("-")
     if base == "none":
         return SpecConfig()
     fields: dict[str, Any] = {"method": base, "num_speculative_tokens": args.k}
     directories = {"draft": args.draft_model, "eagle": args.eagle_head, "mtp": args.mtp_head}
     fields["draft"] = directories.get(base)
-    if method.kind == "mtp-1":
+    if method == "mtp-1":
         fields["num_speculative_tokens"] = 1
     if base == "eagle":
         fields["tree"] = variant
-    fields |= k_mode_fields(method.k_mode)
+    if args.k_mode == "fixed" or method in PINNED_K:
+        fields["adaptive_k"] = False
     try:
         return SpecConfig(**fields)
     except (TypeError, ValueError) as error:
-        raise MethodUnavailable(f"{method.name}: {error}") from error
-
-
-def methods_from(args: argparse.Namespace) -> list[Method]:
-    modes = {"fixed": ["fixed"], "engine": ["engine"], "both": ["fixed", "engine"]}[args.k_mode]
-    out = []
-    for kind in args.methods:
-        # the cost model picks k for chains with the host in the loop only
-        pinned = kind in (*HF_METHODS, "none", "mtp-1", "eagle-fixed", "eagle-dynamic")
-        out += [Method(kind)] if pinned else [Method(kind, mode) for mode in modes]
-    return out
+        raise MethodUnavailable(f"{method}: {error}") from error
 
 
 def target_dir(args: argparse.Namespace) -> Path:
     return model_path(args.model) if args.model else DEMO_DIR / "target"
 
 
-def build_runners(
-    methods: list[Method], args: argparse.Namespace, max_len: int
-) -> dict[Method, Runner]:
-    """Every runner, built before anything is timed: a method that cannot run stops the
-    benchmark here, with its reason (configurations first, as they fail fastest)."""
+def build_runners(args: argparse.Namespace, max_len: int) -> dict[str, Runner]:
+    """Every method's runner, built before anything is timed: a method that cannot run stops
+    the benchmark here, with its reason (configurations first, as they fail fastest)."""
     pages = max(args.batches) * -(-(max_len + 2 * args.k + 8) // PAGE_SIZE) * 2
     kv = KVConfig(page_size=PAGE_SIZE, num_pages=pages)
-    configs = {
-        m: EngineConfig(
-            args.model,
-            spec_config(m, args),
-            kv,
-            max_running=max(args.batches),
-            batch_invariant=args.batch_invariant,
-        )
-        for m in methods
-        if not m.is_hf
-    }
-    runners: dict[Method, Runner] = {
+    batch, invariant = max(args.batches), args.batch_invariant
+    base = EngineConfig(args.model, kv=kv, max_running=batch, batch_invariant=invariant)
+    engine_methods = [m for m in args.methods if m not in HF_METHODS]
+    configs = {m: replace(base, spec=spec_config(m, args)) for m in engine_methods}
+    runners: dict[str, Runner] = {
         m: EngineRunner(m, c, args.seeded, args.eos) for m, c in configs.items()
     }
-    hf_methods = [m for m in methods if m.is_hf]
+    hf_methods = [m for m in args.methods if m in HF_METHODS]
     if hf_methods:
         target, draft = target_dir(args), Path(args.draft_model or DEMO_DIR / "draft")
         cpu = torch.device("cpu")  # loaded on the thread that runs them (engine/device.py)
         target_model, assistant = run_on_device(cpu, hf_models, target, draft, args.k)
         for m in hf_methods:
             runners[m] = HFRunner(m, target_model, assistant, args.k, eos_id(target), args.eos)
-    return {m: runners[m] for m in methods}  # in the order asked for
+    return {m: runners[m] for m in args.methods}  # in the order asked for
 
 
 # ---- the measuring loop ----
 
 
-def request_groups(prompts: list[list[int]], batch: int, count: int) -> list[list[list[int]]]:
-    """ceil(count / batch) groups of `batch` prompts, taken in order (wrapping)."""
-    groups = max(1, -(-count // batch))
-    return [[prompts[(g * batch + i) % len(prompts)] for i in range(batch)] for g in range(groups)]
-
-
 async def measure(
-    runners: dict[Method, Runner], prompts: list[list[int]], args: argparse.Namespace
+    runners: dict[str, Runner], prompts: list[list[int]], args: argparse.Namespace
 ) -> dict[tuple, list[Sample]]:
     """Samples per (method, batch, temperature), repeats interleaved over the methods."""
     cells = [
@@ -146,12 +121,12 @@ async def measure(
         for b in args.batches
         for t in args.temperatures
         for m in runners
-        if not m.is_hf or b == 1
+        if m not in HF_METHODS or b == 1
     ]
     groups = {b: request_groups(prompts, b, args.prompts) for b in args.batches}
     for runner in runners.values():
         await runner.start()
-        for b in [1] if runner.method.is_hf else args.batches:  # warm-up, untimed
+        for b in [1] if runner.method in HF_METHODS else args.batches:  # warm-up, untimed
             await runner.run(groups[b][:1], 0.0, 0, min(8, args.max_tokens))
     samples: dict[tuple, list[Sample]] = {cell: [] for cell in cells}
     with tqdm(total=len(cells) * args.repeats, desc="bench.speed", unit="cell") as bar:
@@ -161,7 +136,7 @@ async def measure(
                     groups[batch], temp, 1000 * repeat, args.max_tokens
                 )
                 samples[(method, batch, temp)].append(sample)
-                bar.set_postfix_str(f"{method.name} b{batch} t{temp:g}")
+                bar.set_postfix_str(f"{method} b{batch} t{temp:g}")
                 bar.update()
     for runner in runners.values():
         await runner.stop()
@@ -175,50 +150,25 @@ def parse_args(
     argv: Sequence[str] | None = None, min_repeats: int = MIN_REPEATS
 ) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.speed", description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--methods",
-        nargs="+",
-        choices=(*ENGINE_METHODS, *HF_METHODS),
-        default=[*ENGINE_METHODS, *HF_METHODS],
-    )
+    every = (*ENGINE_METHODS, *HF_METHODS)
+    p.add_argument("--methods", nargs="+", choices=every, default=list(every))
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument(
-        "--batch-invariant",
-        action="store_true",
-        help="the engine's batch-invariant mode (what it costs against the default kernels)",
-    )
-    p.add_argument(
-        "--seeded",
-        action="store_true",
-        help="requests carry seeds: sampled ones draw by the seeded coupling (default: no "
-        "seeds, the rejection rule)",
-    )
-    p.add_argument(
-        "--eos",
-        action="store_true",
-        help="a request ends at its end of sequence (default: every request runs to "
-        "--max-tokens, so that every method decodes the same number of tokens)",
-    )
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--batch-invariant", action="store_true", help="the engine's mode of that name")
+    p.add_argument("--seeded", action="store_true", help="requests carry seeds (the coupling)")
+    p.add_argument("--eos", action="store_true", help="requests end at their end of sequence")
     p.add_argument("--repeats", type=int, default=MIN_REPEATS, help="interleaved (median)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
     p.add_argument("--prompts", type=int, default=8, help="requests per cell (>= one batch)")
     p.add_argument("--k", type=int, default=4, help="draft tokens a step (mtp-1: 1)")
-    p.add_argument(
-        "--k-mode",
-        choices=("fixed", "engine", "both"),
-        default="fixed",
-        help="fixed: k pinned; engine: the engine's own choice of k; both",
-    )
+    p.add_argument("--k-mode", choices=("fixed", "engine"), default="fixed")
     p.add_argument("--model", help="target: smollm2, a directory or a GGUF (default: the demo's)")
     p.add_argument("--chat", action="store_true", help="the held-out chat prompts, as chats")
     p.add_argument("--draft-model", help="draft model directory (default: the demo's)")
     p.add_argument("--eagle-head", help="EAGLE head directory (default: the demo's)")
     p.add_argument("--mtp-head", help="MTP head directory (default: the demo's)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (the cores here)")
-    # no defaults: a quick run must not overwrite the committed results
-    p.add_argument("--out", type=Path, help="the JSON report (bench/results/speed.json)")
-    p.add_argument("--plot", type=Path, help="the plot (bench/results/speed.png)")
+    p.add_argument("--out", type=Path, help="the JSON report")
     args = p.parse_args(argv)
     if args.repeats < min_repeats:
         p.error(f"--repeats must be at least {min_repeats}")
@@ -230,7 +180,7 @@ def parse_args(
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The whole benchmark; prints the table, writes the JSON and the plot; returns the rows."""
+    """The whole benchmark; prints the table and the aims, writes the JSON; returns the rows."""
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     tokenizer = Tokenizer(target_dir(args))
@@ -239,19 +189,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         prompts = [chat_data.chat_ids(tokenizer, text) for text in chats]
     else:
         prompts = [tokenizer.encode(text) for text in heldout_prompts(64)]
-    runners = build_runners(methods_from(args), args, max(map(len, prompts)) + args.max_tokens)
-    samples = asyncio.run(measure(runners, prompts, args))
-    rows = build_rows(samples)
+    runners = build_runners(args, max(map(len, prompts)) + args.max_tokens)
+    rows = build_rows(asyncio.run(measure(runners, prompts, args)))
     goals = aims(rows)
     print(markdown_table(rows))
     for g in goals:
         print(aim_line(g))
+    wall = time.perf_counter() - start
+    document = {"settings": vars(args), "threads": torch.get_num_threads(), "wall_s": wall}
     if args.out:
-        write_json(args.out, args, rows, goals, time.perf_counter() - start)
-    if args.plot:
-        plot(rows, args.plot)
-    written = " and ".join(str(p) for p in (args.out, args.plot) if p) or "nothing"
-    print(f"wrote {written} in {time.perf_counter() - start:.0f} s")
+        write_json(args.out, document | {"rows": rows, "aims": goals})
+    print(f"wrote {args.out or 'nothing'} in {wall:.0f} s")
     return rows
 
 

@@ -10,6 +10,7 @@ import math
 import pytest
 
 from bench import report, runners, speed
+from bench.common import request_groups, write_json
 from engine.config import SpecConfig
 from engine.metrics import EngineMetrics
 
@@ -112,24 +113,26 @@ def test_step_forwards_in_the_engines_order():
 
 def test_request_groups_wrap_over_the_prompts():
     prompts = [[1], [2], [3]]
-    assert speed.request_groups(prompts, 1, 2) == [[[1]], [[2]]]
-    assert speed.request_groups(prompts, 2, 3) == [[[1], [2]], [[3], [1]]]
-    assert speed.request_groups(prompts, 4, 1) == [[[1], [2], [3], [1]]]
+    assert request_groups(prompts, 1, 2) == [[[1]], [[2]]]
+    assert request_groups(prompts, 2, 3) == [[[1], [2]], [[3], [1]]]
+    assert request_groups(prompts, 4, 1) == [[[1], [2], [3], [1]]]
 
 
 def test_fixed_k_turns_the_cost_model_off():
-    assert speed.k_mode_fields("engine") == {}
     args = speed.parse_args(["--k", "3", "--k-mode", "fixed"])
-    spec = speed.spec_config(runners.Method("draft", "fixed"), args)
+    spec = speed.spec_config("draft", args)
     assert not spec.adaptive_k and spec.num_speculative_tokens == 3
+    engine_k = speed.parse_args(["--k-mode", "engine"])
+    assert speed.spec_config("draft", engine_k).adaptive_k
+    assert not speed.spec_config("eagle-dynamic", engine_k).adaptive_k  # a tree keeps its k
 
 
 def test_spec_configs_of_the_methods():
     args = speed.parse_args(["--k", "3"])
-    assert speed.spec_config(runners.Method("none"), args) == SpecConfig()
-    assert speed.spec_config(runners.Method("draft"), args).num_speculative_tokens == 3
-    assert speed.spec_config(runners.Method("mtp-1"), args).num_speculative_tokens == 1
-    assert speed.spec_config(runners.Method("mtp-k"), args).method == "mtp"
+    assert speed.spec_config("none", args) == SpecConfig()
+    assert speed.spec_config("draft", args).num_speculative_tokens == 3
+    assert speed.spec_config("mtp-1", args).num_speculative_tokens == 1
+    assert speed.spec_config("mtp-k", args).method == "mtp"
 
 
 def test_cli_refuses_fewer_than_five_repeats(capsys):
@@ -140,24 +143,22 @@ def test_cli_refuses_fewer_than_five_repeats(capsys):
         speed.parse_args(["--methods", "hf-generate", "--batches", "4"])
 
 
-def test_table_json_and_plot(tmp_path):
+def test_table_and_json(tmp_path):
     rows = [
-        {"method": m, "kind": m, "batch": b, "temperature": 0.0, "tokens_per_s": 10.0 * b,
+        {"method": m, "batch": b, "temperature": 0.0, "tokens_per_s": 10.0 * b,
          "speedup": 1.0, "acceptance_per_position": [0.5, 0.25], "step_ms": math.nan}
         for m in ("none", "draft") for b in (1, 4)
-    ] + [{"method": "hf-generate", "kind": "hf-generate", "batch": 1, "temperature": 0.0,
+    ] + [{"method": "hf-generate", "batch": 1, "temperature": 0.0,
           "tokens_per_s": 9.0, "acceptance_per_position": []}]  # fmt: skip
     table = report.markdown_table(rows).splitlines()
     assert len(table) == 2 + len(rows)
     assert table[0].startswith("| method | batch | temp | tok/s | speedup |")
     assert "| 0.50 / 0.25 |" in table[2] and "| - |" in table[2]
     args = speed.parse_args(["--out", str(tmp_path / "s.json")])
-    report.write_json(args.out, args, rows, [], 1.0)
+    write_json(args.out, {"settings": vars(args), "rows": rows})
     document = json.loads(args.out.read_text())
     assert document["rows"][0]["tokens_per_s"] == 10.0 and document["settings"]["k"] == 4
     assert document["rows"][0]["step_ms"] is None  # NaN is written as null: standard JSON
-    report.plot(rows, tmp_path / "s.png")
-    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_a_method_that_cannot_run_fails_loudly(tmp_path, tiny_target):
@@ -165,7 +166,7 @@ def test_a_method_that_cannot_run_fails_loudly(tmp_path, tiny_target):
             "--methods", "draft", "--batches", "1", "--repeats", "5"]  # fmt: skip
     args = speed.parse_args(argv)
     with pytest.raises(runners.MethodUnavailable, match="^draft: "):
-        speed.build_runners(speed.methods_from(args), args, max_len=64)
+        speed.build_runners(args, max_len=64)
 
 
 def test_tiny_run_end_to_end(tmp_path, tiny_target, capsys):
@@ -174,8 +175,7 @@ def test_tiny_run_end_to_end(tmp_path, tiny_target, capsys):
     argv = ["--model", str(tiny_target), "--draft-model", str(tiny_target),
             "--methods", "none", "draft", "hf-generate", "hf-assisted", "--batches", "1", "2",
             "--temperatures", "0", "--repeats", "1", "--max-tokens", "13", "--prompts", "1",
-            "--k", "2", "--out", str(tmp_path / "speed.json"),
-            "--plot", str(tmp_path / "speed.png")]  # fmt: skip
+            "--k", "2", "--out", str(tmp_path / "speed.json")]  # fmt: skip
     rows = speed.run(speed.parse_args(argv, min_repeats=1))
     by = {(r["method"], r["batch"]): r for r in rows}
     assert set(by) == {("none", 1), ("draft", 1), ("none", 2), ("draft", 2), ("hf-generate", 1),
@@ -192,13 +192,12 @@ def test_tiny_run_end_to_end(tmp_path, tiny_target, capsys):
     assert by[("hf-generate", 1)]["acceptance_length"] == 1.0
     document = json.loads((tmp_path / "speed.json").read_text())
     assert len(document["rows"]) == len(rows)
-    assert (tmp_path / "speed.png").exists()
     assert "| draft | 2 | 0 |" in capsys.readouterr().out
 
 
 def test_aims_compare_the_right_rows():
-    def row(kind, tok_s, speedup=1.0, **extra):
-        return {"method": kind, "kind": kind, "batch": 1, "temperature": 0.0,
+    def row(method, tok_s, speedup=1.0, **extra):
+        return {"method": method, "batch": 1, "temperature": 0.0,
                 "tokens_per_s": tok_s, "speedup": speedup, **extra}  # fmt: skip
 
     rows = [
@@ -230,7 +229,7 @@ def test_eos_mode_lets_requests_end_at_their_end_of_sequence():
     assert runners.params(1.0, None, 8, eos=True).ignore_eos is False
     assert runners.params(1.0, None, 8, eos=False).ignore_eos is True
     hf = runners.HFRunner.__new__(runners.HFRunner)
-    hf.method, hf.k, hf.eos = runners.Method("hf-generate"), 2, 0
+    hf.method, hf.k, hf.eos = "hf-generate", 2, 0
     for stop, pinned in ((True, False), (False, True)):
         hf.ends_at_eos = stop
         assert ("min_new_tokens" in hf.kwargs(0.0, 16)) is pinned

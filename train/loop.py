@@ -44,7 +44,7 @@ class TrainConfig:
     seed: int = 0
     max_steps: int = 0  # 0: no limit besides the budget (tests set a few steps)
     # the forward under bfloat16 autocast (float32 weights, optimiser and loss reductions):
-    # what pays on a CPU with bfloat16 dot products (cpu_has_bf16; bench.train_step)
+    # what pays on a CPU with bfloat16 dot products (cpu_has_bf16; docs/models.md)
     bf16: bool = False
 
     def __post_init__(self) -> None:
