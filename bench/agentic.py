@@ -246,7 +246,8 @@ async def chat_turns(args: argparse.Namespace) -> list[list[dict[str, str]]]:
 async def run_llama(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The same tasks through llama-server (the same GGUF; the same prompt ids, from our
     tokenizer's chat template; greedy, eos honoured, its prompt cache on), one server per
-    --spec-type, a warm-up task first; its own timings give decode tokens/s."""
+    --spec-type, the edits' first task as a warm-up (as ours); its own timings give decode
+    tokens/s and the time to first token (its prompt's processing)."""
     import tempfile
 
     import aiohttp
@@ -259,15 +260,17 @@ async def run_llama(args: argparse.Namespace) -> list[dict[str, Any]]:
     gguf = model_path(args.model)
     tokenizer = Tokenizer(gguf)
     prompt_ids = [tokenizer.encode_chat(messages) for messages in args.tasks]
+    warm_up = tokenizer.encode_chat(user(edit_prompts()[0]))
     log = Path(tempfile.mkdtemp()) / "llama-server.log"
     rows = []
     for spec in ("none", "ngram-simple", "ngram-mod"):
         command = [str(args.llama_server), "-m", str(gguf), "-t", "2", "-tb", "2", "-np", "1",
                    "-c", "8192", "--host", "127.0.0.1", "--no-webui",
                    *llama_spec_flags(spec, args.k)]  # fmt: skip
-        totals = dict.fromkeys(("tokens", "seconds", "drafted", "accepted", "copied", "answer"), 0)
+        keys = ("tokens", "seconds", "ttft", "drafted", "accepted", "copied", "answer")
+        totals = dict.fromkeys(keys, 0.0)
         async with serving(command, log, 120) as (url, _), aiohttp.ClientSession() as session:
-            tasks = [prompt_ids[0]] + prompt_ids * args.rounds
+            tasks = [warm_up] + prompt_ids * args.rounds
             for i, ids in enumerate(tasks):
                 body = {"prompt": ids, "n_predict": args.max_tokens, "temperature": 0,
                         "cache_prompt": True, "return_tokens": True}  # fmt: skip
@@ -278,6 +281,7 @@ async def run_llama(args: argparse.Namespace) -> list[dict[str, Any]]:
                 t = reply["timings"]
                 totals["tokens"] += t["predicted_n"]
                 totals["seconds"] += t["predicted_ms"] / 1e3
+                totals["ttft"] += t["prompt_ms"] / 1e3
                 totals["drafted"] += t.get("draft_n", 0)
                 totals["accepted"] += t.get("draft_n_accepted", 0)
                 totals["copied"] += copied(ids, reply["tokens"])
@@ -288,6 +292,7 @@ async def run_llama(args: argparse.Namespace) -> list[dict[str, Any]]:
             "tok_s": round(totals["tokens"] / totals["seconds"], 2),
             "acceptance": round(totals["accepted"] / drafted, 3) if drafted else None,
             "copied_share": round(totals["copied"] / totals["answer"], 3),
+            "ttft_mean_s": round(totals["ttft"] / (len(tasks) - 1), 3),
         }
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -317,20 +322,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-pages", type=int, default=512, help="KV pages of each engine")
     parser.add_argument("--no-prefix-cache", action="store_true", help="turns, edits, echo")
     parser.add_argument("--out", type=Path, default=None, help="write the rows here (JSON)")
-    parser.add_argument("--llama-server", type=Path, help="edits, echo: through llama.cpp")
+    parser.add_argument("--llama-server", type=Path, help="turns, edits, echo: llama.cpp's")
     parser.add_argument("--quantization", choices=["int8"], help="edits, echo: int8 linears")
     parser.add_argument("--fixed-k", action="store_true", help="edits, echo: no cost model")
     args = parser.parse_args(argv)
     args.model = None if args.model == "demo" else args.model
-    if args.workload in ("edits", "echo"):
-        args.max_tokens = args.max_tokens or 768
-        prompts = edit_prompts() if args.workload == "edits" else echo_prompts()
-        args.tasks = [user(p) for p in prompts]
+    if args.workload in ("turns", "edits", "echo"):
+        if args.workload == "turns":
+            args.max_tokens = args.max_tokens or 64
+            args.tasks = asyncio.run(chat_turns(args))
+        else:
+            args.max_tokens = args.max_tokens or 768
+            prompts = edit_prompts() if args.workload == "edits" else echo_prompts()
+            args.tasks = [user(p) for p in prompts]
         rows = asyncio.run(run_llama(args)) if args.llama_server else run_tasks(args)
-    elif args.workload == "turns":
-        args.max_tokens = args.max_tokens or 64
-        args.tasks = asyncio.run(chat_turns(args))
-        rows = run_tasks(args)
     else:
         args.max_tokens = args.max_tokens or 64
         rows = asyncio.run(run(args))

@@ -192,10 +192,14 @@ static inline float exp1(float x) { return expn(splatn(x))[0]; }
 /* A pass covers PASS_BLOCKS output blocks; the threads share the passes. Within a pass, rows
  * go in tiles of up to TILE_ROWS, whose accumulators (rows x blocks x halves native vectors)
  * stay in registers: AVX-512 has 32, for 8 rows x 2 blocks; AVX2 has 16, for 6 rows x 1
- * block x 2 halves, a pass then being one block. (Tiles of 16 rows x 1 block, tiles taking
- * turns on spans of the inputs, and the last tile prefetching the next pass's weights all
- * measured no faster.) Each output's sum runs over the inputs in order whatever the
- * tiling, so the results do not depend on it. */
+ * block x 2 halves, a pass then being one block. With several tiles only the first reads
+ * the pass's weights from memory, the others from the cache, and the hardware's prefetcher
+ * stops with the first: so each tile fetches its share of the next pass's weights ahead,
+ * spread over its steps, and the memory keeps streaming while the later tiles compute (9 rows
+ * of SmolLM2 24% faster, 16 rows 18%; the last tile alone prefetching measured no faster).
+ * (Tiles of 16 rows x 1 block and tiles taking turns on spans of the inputs measured no
+ * faster.) Each output's sum runs over the inputs in order whatever the tiling, so the
+ * results do not depend on it. */
 #ifdef __AVX512F__
 #define TILE_ROWS 8
 #define PASS_BLOCKS 2
@@ -245,16 +249,31 @@ static inline vn int8_weights(const int8_t *q) {
     static void gemm_tile_##ROWS(const float *x, const float *wf, const int8_t *wq,          \
                                  const float *scales, const float *bias, float *y,            \
                                  int64_t m0, int64_t in, int64_t out, int64_t ob,             \
-                                 int64_t nb) {                                                \
+                                 int64_t nb, int64_t t, int64_t tiles) {                      \
         vn acc[PASS_VECS][ROWS];                                                              \
         for (int v = 0; v < PASS_VECS; v++)                                                   \
             for (int m = 0; m < ROWS; m++) acc[v][m] = (vn){0};                               \
         int64_t base = ob * in * 16, next = nb > 1 ? in * 16 : 0;                             \
         const float *xr = x + m0 * in;                                                        \
-        if (wq)                                                                               \
+        /* tile t of several fetches its share of the next pass's weights, a little a step */ \
+        int64_t bytes = (wq ? 1 : 4) * PASS_BLOCKS * in * 16;                                 \
+        const char *ahead = (wq ? (const char *)(wq + base) : (const char *)(wf + base)) +    \
+                            bytes + t * bytes / tiles;                                        \
+        uint64_t at = 0, stride = ((uint64_t)(bytes / tiles) << 16) / (uint64_t)in;          \
+        if (tiles == 1 && wq)                                                                 \
             for (int64_t i = 0; i < in; i++) GEMM_STEP(ROWS, INT8_AT)                         \
-        else                                                                                  \
+        else if (tiles == 1)                                                                  \
             for (int64_t i = 0; i < in; i++) GEMM_STEP(ROWS, FLOAT_AT)                        \
+        else if (wq)                                                                          \
+            for (int64_t i = 0; i < in; i++, at += stride) {                                  \
+                __builtin_prefetch(ahead + (at >> 16), 0, 2);                                 \
+                GEMM_STEP(ROWS, INT8_AT)                                                      \
+            }                                                                                 \
+        else                                                                                  \
+            for (int64_t i = 0; i < in; i++, at += stride) {                                  \
+                __builtin_prefetch(ahead + (at >> 16), 0, 2);                                 \
+                GEMM_STEP(ROWS, FLOAT_AT)                                                     \
+            }                                                                                 \
         for (int64_t b = 0; b < nb; b++)                                                      \
             for (int m = 0; m < ROWS; m++) {                                                  \
                 float lanes[16];                                                              \
@@ -287,7 +306,7 @@ GEMM_TILE(8)
 
 typedef void (*gemm_tile_fn)(const float *, const float *, const int8_t *, const float *,
                              const float *, float *, int64_t, int64_t, int64_t, int64_t,
-                             int64_t);
+                             int64_t, int64_t, int64_t);
 static const gemm_tile_fn GEMM_TILES[TILE_ROWS + 1] = {
     NULL,        gemm_tile_1, gemm_tile_2, gemm_tile_3, gemm_tile_4, gemm_tile_5,
     gemm_tile_6,
@@ -318,7 +337,7 @@ static void gemm(const float *x, const float *wf, const int8_t *wq, const float 
             int64_t nb = blocks - ob < PASS_BLOCKS ? blocks - ob : PASS_BLOCKS;
             for (int64_t t = 0, m0 = c0; t < tiles; t++) {
                 int64_t n = (rows * (t + 1)) / tiles - (rows * t) / tiles;
-                GEMM_TILES[n](x, wf, wq, scales, bias, y, m0, in, out, ob, nb);
+                GEMM_TILES[n](x, wf, wq, scales, bias, y, m0, in, out, ob, nb, t, tiles);
                 m0 += n;
             }
         }
