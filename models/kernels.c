@@ -495,64 +495,131 @@ typedef struct {
     float *part;                  /* per row: max, sum, dim weighted values */
 } Item;
 
+#define QUERY_VECS 8 /* a query's 16-float vectors held in registers: head_dim up to 128 */
+
+/* s[j] = scale * (query . keys[j]) for j < n16 (a multiple of 16). The query stays in
+ * registers (its first QUERY_VECS vectors; `vecs` a constant where this is inlined) while the
+ * keys stream past; each key's sum runs over its vectors in order, then by hsum16's tree. */
+static inline __attribute__((always_inline)) void score_keys(const float *qv,
+                                                             const float *const *keys,
+                                                             int64_t n16, int64_t vecs,
+                                                             float scale, float *s) {
+#if LANES == 16 /* the 16 keys' sums at once, by a transposing tree */
+    v16 q[QUERY_VECS];
+    for (int64_t c = 0; c < vecs && c < QUERY_VECS; c++) q[c] = load16(qv + 16 * c);
+#define QUERY16(c) ((c) < QUERY_VECS ? q[c] : load16(qv + 16 * (c)))
+    for (int64_t k0 = 0; k0 < n16; k0 += 16) {
+        v16 acc[16];
+        for (int j = 0; j < 16; j++) {
+            v16 a = q[0] * load16(keys[k0 + j]);
+            for (int64_t c = 1; c < vecs; c++) a += QUERY16(c) * load16(keys[k0 + j] + 16 * c);
+            acc[j] = a;
+        }
+        store16(s + k0, sum16x16(acc) * scale);
+    }
+#undef QUERY16
+#else /* 8 keys at a time: each key's two halves added, then the same tree (sum8x8) */
+    vn q[2 * QUERY_VECS];
+    for (int64_t c = 0; c < vecs && c < QUERY_VECS; c++)
+        q[2 * c] = loadn(qv + 16 * c), q[2 * c + 1] = loadn(qv + 16 * c + 8);
+#define QUERY8(c, half) ((c) < QUERY_VECS ? q[2 * (c) + (half)] : loadn(qv + 16 * (c) + 8 * (half)))
+    for (int64_t k0 = 0; k0 < n16; k0 += 8) {
+        vn halves[8];
+        for (int j = 0; j < 8; j++) {
+            const float *kv = keys[k0 + j];
+            vn lo = q[0] * loadn(kv), hi = q[1] * loadn(kv + 8);
+            for (int64_t c = 1; c < vecs; c++) {
+                lo += QUERY8(c, 0) * loadn(kv + 16 * c);
+                hi += QUERY8(c, 1) * loadn(kv + 16 * c + 8);
+            }
+            halves[j] = lo + hi;
+        }
+        storen(s + k0, sum8x8(halves) * scale);
+    }
+#undef QUERY8
+#endif
+}
+
+/* out[d] = sum over the n keys of w[j] values[j][d], VALUE_FLOATS of the row at a time, a key
+ * at a time: independent accumulators, each summing over the keys in order (a chain of one
+ * accumulator is latency-bound) */
+static void weigh(const float *const *values, int64_t n, int64_t dim, const float *w,
+                  float *out) {
+    for (int64_t d0 = 0; d0 < dim; d0 += VALUE_FLOATS) {
+        int64_t nv = (dim - d0 < VALUE_FLOATS ? dim - d0 : VALUE_FLOATS) / LANES;
+        vn o[VALUE_FLOATS / LANES] = {0};
+        for (int64_t j = 0; j < n; j++) {
+            const float *v = values[j] + d0;
+            if (nv == VALUE_FLOATS / LANES)
+                for (int c = 0; c < VALUE_FLOATS / LANES; c++) o[c] += w[j] * loadn(v + LANES * c);
+            else
+                for (int c = 0; c < nv; c++) o[c] += w[j] * loadn(v + LANES * c);
+        }
+        for (int c = 0; c < nv; c++) storen(out + d0 + LANES * c, o[c]);
+    }
+}
+
+#define PAIR_FLOATS 32 /* weigh_pair's floats of two rows a pass */
+
+/* weigh for two rows of weights (wa, wb) over the same values, PAIR_FLOATS at a time: each
+ * value vector loaded once for both; each output the same sum, in the same order, as weigh's */
+static void weigh_pair(const float *const *values, int64_t n, int64_t dim, const float *wa,
+                       const float *wb, float *outa, float *outb) {
+    for (int64_t d0 = 0; d0 < dim; d0 += PAIR_FLOATS) {
+        vn oa[PAIR_FLOATS / LANES] = {0}, ob[PAIR_FLOATS / LANES] = {0};
+        for (int64_t j = 0; j < n; j++) {
+            vn v[PAIR_FLOATS / LANES];
+            for (int c = 0; c < PAIR_FLOATS / LANES; c++) v[c] = loadn(values[j] + d0 + LANES * c);
+            for (int c = 0; c < PAIR_FLOATS / LANES; c++) oa[c] += wa[j] * v[c];
+            for (int c = 0; c < PAIR_FLOATS / LANES; c++) ob[c] += wb[j] * v[c];
+        }
+        for (int c = 0; c < PAIR_FLOATS / LANES; c++) {
+            storen(outa + d0 + LANES * c, oa[c]);
+            storen(outb + d0 + LANES * c, ob[c]);
+        }
+    }
+}
+
 /* one item: rows (t, g) for t in t0..t1, g in the group; scores: [rows, CHUNK] scratch */
 static void attend_chunk(const Paged *p, const Item *it, float *scores) {
     int64_t group = p->hq / p->hkv, dim = p->dim, row = p->hkv * dim, vecs = dim / 16;
     int64_t b = it->b, h = it->h, j0 = it->j0, n = it->j1 - it->j0;
     const int64_t *rows = p->read_rows + b * p->lmax + j0;
-    int64_t nrows = (it->t1 - it->t0) * group, blocks = (n + 15) / 16;
-    /* scores, 16 keys at a time (past the chunk's end: its last key again, then unseen) */
-    for (int64_t k0 = 0; k0 < blocks * 16; k0 += 16) {
-        const float *keys[16];
-        for (int j = 0; j < 16; j++)
-            keys[j] = p->store + rows[k0 + j < n ? k0 + j : n - 1] * row + h * dim;
-        for (int64_t t = it->t0; t < it->t1; t++) {
-            int64_t i = p->q_index[t] - b * p->qmax, pos = p->q_positions[b * p->qmax + i];
-            const uint8_t *seen = p->mask ? p->mask + (b * p->qmax + i) * p->lmax + j0 : NULL;
-            for (int64_t g = 0; g < group; g++) {
-                const float *qv = p->q + t * p->q_stride + (h * group + g) * dim;
-                float *s = scores + ((t - it->t0) * group + g) * CHUNK + k0;
-#if LANES == 16 /* the 16 keys' sums at once, by a transposing tree */
-                v16 acc[16];
-                for (int j = 0; j < 16; j++) {
-                    v16 a = load16(qv) * load16(keys[j]);
-                    for (int64_t c = 1; c < vecs; c++)
-                        a += load16(qv + 16 * c) * load16(keys[j] + 16 * c);
-                    acc[j] = a;
-                }
-                store16(s, sum16x16(acc) * p->scale);
-#else /* 8 keys at a time: each key's two halves added, then the same tree (sum8x8) */
-                for (int j0 = 0; j0 < 16; j0 += 8) {
-                    vn halves[8];
-                    for (int j = 0; j < 8; j++) {
-                        const float *kv = keys[j0 + j];
-                        vn lo = loadn(qv) * loadn(kv), hi = loadn(qv + 8) * loadn(kv + 8);
-                        for (int64_t c = 1; c < vecs; c++) {
-                            lo += loadn(qv + 16 * c) * loadn(kv + 16 * c);
-                            hi += loadn(qv + 16 * c + 8) * loadn(kv + 16 * c + 8);
-                        }
-                        halves[j] = lo + hi;
-                    }
-                    storen(s + j0, sum8x8(halves) * p->scale);
-                }
-#endif
-                for (int64_t j = 0; j < 16; j++) {
-                    int64_t key = k0 + j;
-                    if (key >= n || (seen ? !seen[key] : j0 + key > pos)) s[j] = -INFINITY;
-                }
-            }
+    int64_t nrows = (it->t1 - it->t0) * group, n16 = (n + 15) / 16 * 16;
+    /* the chunk's keys (past its end: its last key again, then unseen) */
+    const float *keys[CHUNK];
+    for (int64_t j = 0; j < n16; j++)
+        keys[j] = p->store + rows[j < n ? j : n - 1] * row + h * dim;
+    /* each row's scores */
+    for (int64_t t = it->t0; t < it->t1; t++) {
+        int64_t i = p->q_index[t] - b * p->qmax, pos = p->q_positions[b * p->qmax + i];
+        const uint8_t *seen = p->mask ? p->mask + (b * p->qmax + i) * p->lmax + j0 : NULL;
+        for (int64_t g = 0; g < group; g++) {
+            const float *qv = p->q + t * p->q_stride + (h * group + g) * dim;
+            float *s = scores + ((t - it->t0) * group + g) * CHUNK;
+            if (vecs == 4) /* head_dim 64 and 128 unrolled */
+                score_keys(qv, keys, n16, 4, p->scale, s);
+            else if (vecs == 8)
+                score_keys(qv, keys, n16, 8, p->scale, s);
+            else
+                score_keys(qv, keys, n16, vecs, p->scale, s);
+            /* unseen: past the chunk, then by the tree mask, or past the query's position */
+            int64_t end = seen || pos - j0 + 1 > n ? n : pos - j0 + 1 < 0 ? 0 : pos - j0 + 1;
+            for (int64_t key = end; key < n16; key++) s[key] = -INFINITY;
+            if (seen)
+                for (int64_t key = 0; key < n; key++) s[key] = seen[key] ? s[key] : -INFINITY;
         }
     }
     /* each row's max and exponentials */
     for (int64_t r = 0; r < nrows; r++) {
         float *s = scores + r * CHUNK, *part = it->part + r * (dim + 2);
         float top = -INFINITY;
-        for (int64_t j = 0; j < blocks * 16; j++) top = s[j] > top ? s[j] : top;
+        for (int64_t j = 0; j < n16; j++) top = s[j] > top ? s[j] : top;
         part[0] = top;
         memset(part + 1, 0, (dim + 1) * sizeof(float));
         if (top == -INFINITY) continue; /* nothing seen in this chunk */
         vn sum[HALVES] = {0};
-        for (int64_t k0 = 0; k0 < blocks * 16; k0 += 16)
+        for (int64_t k0 = 0; k0 < n16; k0 += 16)
             for (int hv = 0; hv < HALVES; hv++) {
                 vn e = expn(loadn(s + k0 + hv * LANES) - top);
                 storen(s + k0 + hv * LANES, e);
@@ -560,24 +627,21 @@ static void attend_chunk(const Paged *p, const Item *it, float *scores) {
             }
         part[1] = hsum_block(sum);
     }
-    /* each row's exponential-weighted values, in key order */
-    for (int64_t r = 0; r < nrows; r++) {
-        float *part = it->part + r * (dim + 2);
+    /* each row's exponential-weighted values, in key order; two rows at once where both saw
+     * some key and the head splits into PAIR_FLOATS (each value read once for both) */
+    const float **values = keys; /* the keys' pointers are done with */
+    for (int64_t j = 0; j < n; j++) values[j] = p->store + (rows[j] + p->page_size) * row + h * dim;
+    for (int64_t r = 0; r < nrows;) {
+        float *part = it->part + r * (dim + 2), *next = part + dim + 2;
         const float *w = scores + r * CHUNK;
-        if (part[0] == -INFINITY) continue;
-        /* 64 floats of the row at a time, a key at a time: independent accumulators, each
-         * summing over the keys in order (a chain of one accumulator is latency-bound) */
-        for (int64_t d0 = 0; d0 < dim; d0 += VALUE_FLOATS) {
-            int64_t nv = (dim - d0 < VALUE_FLOATS ? dim - d0 : VALUE_FLOATS) / LANES;
-            vn o[VALUE_FLOATS / LANES] = {0};
-            for (int64_t j = 0; j < n; j++) {
-                const float *v = p->store + (rows[j] + p->page_size) * row + h * dim + d0;
-                if (nv == VALUE_FLOATS / LANES)
-                    for (int c = 0; c < VALUE_FLOATS / LANES; c++) o[c] += w[j] * loadn(v + LANES * c);
-                else
-                    for (int c = 0; c < nv; c++) o[c] += w[j] * loadn(v + LANES * c);
-            }
-            for (int c = 0; c < nv; c++) storen(part + 2 + d0 + LANES * c, o[c]);
+        if (part[0] == -INFINITY) {
+            r++;
+        } else if (r + 1 < nrows && next[0] != -INFINITY && dim % PAIR_FLOATS == 0) {
+            weigh_pair(values, n, dim, w, w + CHUNK, part + 2, next + 2);
+            r += 2;
+        } else {
+            weigh(values, n, dim, w, part + 2);
+            r++;
         }
     }
 }
