@@ -199,6 +199,8 @@ DRAFTERS = {  # name: (method, the drafter's directory (None: tiny_draft), SpecC
     "mtp-tree": ("mtp", "mtp", {"tree": "fixed"}),
     "eagle": ("eagle", "eagle", {}),
     "eagle-tree": ("eagle", "eagle", {"tree": "dynamic"}),
+    "suffix": ("suffix", None, {}),
+    "hybrid": ("hybrid", "eagle", {"hybrid_head": "eagle", "hybrid_min_score": 0.5}),
 }
 
 
