@@ -43,7 +43,7 @@ from api import (
 )
 from engine.config import (
     ATTENTION_CHOICES,
-    HYBRID_MODELS,
+    MODEL_DRAFTERS,
     SPECULATIVE_METHODS,
     TREE_SHAPES,
     EngineConfig,
@@ -515,7 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--hybrid-head",
-        choices=HYBRID_MODELS,
+        choices=MODEL_DRAFTERS,
         default=spec.hybrid_head,
         help="the model --speculative hybrid drafts with where suffix decoding does not: a "
         f"head or the draft model (default: {spec.hybrid_head})",

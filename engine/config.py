@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 # grammar: no model; a request's drafts are what its grammar implies (structured output)
 SPECULATIVE_METHODS = ("none", "draft", "ngram", "suffix", "eagle", "mtp", "grammar", "hybrid")
 HEADS = ("eagle", "mtp")
-HYBRID_MODELS = ("draft", *HEADS)  # what --speculative hybrid pairs suffix decoding with
+MODEL_DRAFTERS = ("draft", *HEADS)  # drafters with a model and a KV cache of their own
 ATTENTION_BACKENDS = ("torch", "flashinfer")  # engine/builder.py makes them
 ATTENTION_CHOICES = ("auto", *ATTENTION_BACKENDS)  # auto: flashinfer on CUDA where it imports
 DTYPES = ("float32", "bfloat16", "float16")
@@ -92,9 +92,9 @@ class SpecConfig:
             )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
-        if self.hybrid_head not in HYBRID_MODELS:
+        if self.hybrid_head not in MODEL_DRAFTERS:
             raise ValueError(
-                f"unknown hybrid head {self.hybrid_head!r}; choose from {HYBRID_MODELS}"
+                f"unknown hybrid head {self.hybrid_head!r}; choose from {MODEL_DRAFTERS}"
             )
         if self.hybrid_min_score < 0:
             raise ValueError("hybrid_min_score must not be negative")
@@ -130,10 +130,14 @@ class SpecConfig:
         return self.method != "none"
 
     @property
+    def drafting_model(self) -> str:
+        """The method whose model drafts: the method, or for hybrid its --hybrid-head."""
+        return self.hybrid_head if self.method == "hybrid" else self.method
+
+    @property
     def head(self) -> str | None:
         """The head the method drafts with (eagle or mtp; hybrid's), None for other methods."""
-        model = self.hybrid_head if self.method == "hybrid" else self.method
-        return model if model in HEADS else None
+        return self.drafting_model if self.drafting_model in HEADS else None
 
     @property
     def drafters(self) -> tuple[str, ...]:
@@ -146,8 +150,7 @@ class SpecConfig:
     @property
     def keeps_cache(self) -> bool:
         """Whether the drafter keeps a KV cache of its own (a draft model or a head)."""
-        model = self.hybrid_head if self.method == "hybrid" else self.method
-        return model in HYBRID_MODELS
+        return self.drafting_model in MODEL_DRAFTERS
 
     @property
     def one_token_mode(self) -> bool:
