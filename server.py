@@ -46,6 +46,7 @@ from engine.config import (
     MODEL_DRAFTERS,
     SPECULATIVE_METHODS,
     TREE_SHAPES,
+    WEIGHTS,
     EngineConfig,
     KVConfig,
     SpecConfig,
@@ -564,10 +565,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a MoE target's expert layers run each forward's tokens in this many halves",
     )
     parser.add_argument(
-        "--quantization",
-        choices=["int8"],
-        help="weight-only int8 linears (a scale per output row): a quarter of float32's "
-        "bytes a forward, CPU only",
+        "--weights",
+        choices=WEIGHTS,
+        default=engine.weights,
+        help="auto: a .gguf file served at its own quantized types (Q4_0, Q4_1, Q5_0, Q8_0, "
+        "Q4_K by the native kernels on the CPU; other types dequantized, named in the start "
+        "log), a Hugging Face directory at its dtype; float32, bfloat16, int8 (weight-only, a "
+        "scale an output row, CPU only): whatever was loaded converted to that",
     )
     parser.add_argument(
         "--no-prefix-cache",
@@ -624,7 +628,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, S
             attention=a.attention,
             batch_invariant=a.batch_invariant,
             moe_micro_batches=a.moe_micro_batches,
-            quantization=a.quantization,
+            weights=a.weights,
             dtype=a.dtype,
             max_running=a.max_running,
             max_waiting=a.max_waiting,

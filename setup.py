@@ -7,7 +7,8 @@ from setuptools import Extension, setup
 
 KERNELS = Extension(
     "models._kernels",
-    ["models/kernels.c"],
+    ["models/kernels.c", "models/quant.c"],
+    depends=["models/quant.h"],
     # OpenMP: at run time the libgomp that torch loaded (its soname), so torch's threads.
     # No -ffast-math: sums keep their order. Built where it runs, so -march=native.
     extra_compile_args=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],

@@ -5,7 +5,7 @@ turns per drafter, and code edits and tool-result echoes whose answers repeat th
     python -m bench.agentic --workload turns [--methods none ngram suffix eagle hybrid]
         [--no-prefix-cache]
     python -m bench.agentic --workload edits|echo [--methods none ngram suffix] [--rounds 1]
-        [--k 4] [--quantization int8] [--fixed-k] [--llama-server PATH]
+        [--k 4] [--weights W] [--fixed-k] [--llama-server PATH]
 
 Chats: a chat opens with a file to read (the first 4,000 characters of a module of Python's
 library, so that the requests are fixed by this script) and a question about it; each later
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import EngineProcess, answer, write_json
-from engine.config import EngineConfig, KVConfig, SpecConfig
+from engine.config import WEIGHTS, EngineConfig, KVConfig, SpecConfig
 from engine.engine import AsyncEngine
 from engine.request import SamplingParams
 
@@ -190,7 +190,7 @@ def run_tasks(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     def config(method: str) -> EngineConfig:
         spec = SpecConfig(method, num_speculative_tokens=args.k, adaptive_k=not args.fixed_k)
-        return EngineConfig(args.model, spec, kv, max_running=1, quantization=args.quantization)
+        return EngineConfig(args.model, spec, kv, max_running=1, weights=args.weights)
 
     cells = {m: EngineProcess(config(m)) for m in methods}
     keys = ("tokens", "seconds", "ttft", "steps", "accepted", "copied", "answer")
@@ -323,7 +323,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-prefix-cache", action="store_true", help="turns, edits, echo")
     parser.add_argument("--out", type=Path, default=None, help="write the rows here (JSON)")
     parser.add_argument("--llama-server", type=Path, help="turns, edits, echo: llama.cpp's")
-    parser.add_argument("--quantization", choices=["int8"], help="edits, echo: int8 linears")
+    parser.add_argument(
+        "--weights", choices=WEIGHTS, default="auto", help="our weights (server.py --weights)"
+    )
     parser.add_argument("--fixed-k", action="store_true", help="edits, echo: no cost model")
     args = parser.parse_args(argv)
     args.model = None if args.model == "demo" else args.model

@@ -1,15 +1,15 @@
 """Forwards of a real checkpoint, by rows, beside their floors.
 
     python -m bench.forward [--model smollm2|demo|DIR] [--context 512] [--rows 1 5 9 16 32]
-        [--prefill 2000] [--repeats 15] [--quantization int8] [--out F.json]
+        [--prefill 2000] [--repeats 15] [--weights auto|float32|int8] [--out F.json]
 
 A forward of R rows is the target's over one sequence's paged KV cache of `context` tokens,
 every row's logits computed: one row is a decode, k + 1 a verify, a tree's nodes a tree
-verify. Its floor is the larger of two: the weight bytes a forward reads (every linear once,
-the embedding's one row aside) over this machine's read bandwidth (bench/common.py
-read_bandwidth), and the forward's multiply-adds (the linears', 2 x weights x rows) over its
-float32 product rate (a large matrix product's, here). A prefill of `--prefill` tokens into an
-empty cache is timed too (one chunk).
+verify. Its floor is the larger of two: the bytes a forward reads (every linear's weight once,
+the embedding's one row aside, and the context's keys and values) over this machine's read
+bandwidth (bench/common.py read_bandwidth), and the forward's multiply-adds (the linears',
+2 x weights x rows) over its product rate (float32, or the quantized kernels' integer one).
+A prefill of `--prefill` tokens into an empty cache is timed too (one chunk).
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ import torch
 
 from bench.common import forward_call, median_seconds, read_bandwidth, text_table, timed, write_json
 from engine.builder import cache_dir, model_path
+from engine.config import WEIGHTS, EngineConfig
 from models import native
-from models.linear import FusedLinear, held_bytes
+from models.linear import FusedLinear, QuantLinear, held_bytes
 from models.llama import LlamaModel, prepare_for_inference
 from models.loader import load_model
+from models.quant import Codes, pack
 
 
 def streamed_bytes(model: LlamaModel) -> int:
@@ -39,15 +41,27 @@ def streamed_bytes(model: LlamaModel) -> int:
 def linear_weights(model: LlamaModel) -> int:
     """Multiply-adds of one row through the linears (the lm_head's included: a verify's rows
     all want logits)."""
-    return sum(
-        m.out_features * m.in_features for m in model.modules() if isinstance(m, FusedLinear)
-    )
+    products = (m for m in model.modules() if isinstance(m, FusedLinear | QuantLinear))
+    return sum(m.out_features * m.in_features for m in products)
 
 
-def product_flops(repeats: int = 5) -> float:
-    """This machine's float32 product rate in FLOP/s: the better of torch's large matrix
-    product and, where they built, the native kernels' product over weights the cache holds
-    (so that the weights' stream does not count twice)."""
+def kv_bytes(model: LlamaModel, context: int, element_size: int = 4) -> int:
+    """Bytes of keys and values a row's attention reads over `context` tokens."""
+    cfg = model.config
+    return 2 * cfg.num_layers * context * cfg.num_kv_heads * cfg.head_dim * element_size
+
+
+def product_flops(quantized: bool, repeats: int = 5) -> float:
+    """This machine's product rate in multiply-adds x 2 a second, over weights the cache holds
+    (so that the weights' stream does not count twice): for float32 weights the better of
+    torch's large matrix product and the native kernels' blocked product; for quantized ones
+    the native quantized product's (4-bit codes, 64 rows)."""
+    if quantized:
+        codes = Codes(torch.randint(0, 16, (256, 512), dtype=torch.uint8),
+                      torch.rand(256, 16), torch.rand(256, 16), 4, False)  # fmt: skip
+        x, packed = torch.randn(64, 512), pack(codes)
+        fn = lambda: native.qlinear(x, packed, (256, 512), 4, False)  # noqa: E731
+        return 2 * 64 * 512 * 256 / median_seconds(fn, repeats * 20)
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     calls = [(lambda: a @ b, 2 * 2048**3)]
     if native.available():
@@ -57,12 +71,14 @@ def product_flops(repeats: int = 5) -> float:
 
 
 def measure(model: str, context: int, rows: list[int], prefill: int, repeats: int,
-            int8: bool = False) -> dict:  # fmt: skip
+            weights: str = "auto") -> dict:  # fmt: skip
     torch.manual_seed(0)
+    config = EngineConfig(None if model == "demo" else model, weights=weights)
     with torch.inference_mode():
-        path = model_path(None if model == "demo" else model)
-        target = load_model(path, torch.float32, torch.device("cpu"), cache_dir())
-        prepare_for_inference(target, int8=int8)
+        path = model_path(config.model)
+        dtype = getattr(torch, config.torch_dtype)
+        target = load_model(path, dtype, torch.device("cpu"), cache_dir(), None, config.quantized)
+        prepare_for_inference(target, int8=weights == "int8")
         vocab = target.config.vocab_size
         prefill_s = timed(forward_call(target, vocab, 1, 0, prefill, last_logits=True))
         calls = {r: forward_call(target, vocab, 1, context, r) for r in rows}
@@ -72,14 +88,17 @@ def measure(model: str, context: int, rows: list[int], prefill: int, repeats: in
         for _ in range(repeats):  # interleaved: the machine's drift touches all alike
             for r, fn in calls.items():
                 times[r].append(timed(fn))
-    bandwidth, flops = read_bandwidth(), product_flops()
-    weights = streamed_bytes(target)
+    quantized = any(isinstance(m, QuantLinear) for m in target.modules())
+    bandwidth, flops = read_bandwidth(), product_flops(quantized)
+    streamed = streamed_bytes(target) + kv_bytes(target, context)
     per_row = 2 * linear_weights(target)
-    result = {"model": model, "quantization": "int8" if int8 else None, "context": context,
-              "weight_bytes": weights, "bandwidth_bytes_per_s": bandwidth, "flop_per_s": flops,
+    result = {"model": model, "weights": weights, "context": context,
+              "quantized_path": native.quant_path() if quantized else None,
+              "weight_bytes": streamed_bytes(target), "kv_bytes": kv_bytes(target, context),
+              "bandwidth_bytes_per_s": bandwidth, "flop_per_s": flops,
               "prefill_tokens": prefill, "prefill_ms": prefill_s * 1e3, "rows": {}}  # fmt: skip
     for r in rows:
-        floor = max(weights / bandwidth, per_row * r / flops)
+        floor = max(streamed / bandwidth, per_row * r / flops)
         ms = statistics.median(times[r]) * 1e3
         result["rows"][r] = {"ms": ms, "floor_ms": floor * 1e3}
     return result
@@ -92,15 +111,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 5, 9, 16, 32])
     parser.add_argument("--prefill", type=int, default=2000, help="tokens of the timed prefill")
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--quantization", choices=["int8"], help="weight-only int8 linears")
+    parser.add_argument("--weights", choices=WEIGHTS, default="auto", help="server.py's --weights")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
-    r = measure(args.model, args.context, args.rows, args.prefill, args.repeats,
-                args.quantization == "int8")  # fmt: skip
-    print(f"weights {r['weight_bytes'] / 1e6:.0f} MB, {r['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s,"
-          f" {r['flop_per_s'] / 1e9:.0f} GFLOP/s; prefill of {r['prefill_tokens']} tokens "
-          f"{r['prefill_ms']:.0f} ms")  # fmt: skip
+    r = measure(args.model, args.context, args.rows, args.prefill, args.repeats, args.weights)
+    print(
+        f"weights {r['weight_bytes'] / 1e6:.0f} MB (path {r['quantized_path'] or 'float'}), "
+        f"KV {r['kv_bytes'] / 1e6:.0f} MB, {r['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
+        f"{r['flop_per_s'] / 1e9:.0f} GOP/s; prefill of {r['prefill_tokens']} tokens "
+        f"{r['prefill_ms']:.0f} ms"
+    )
     one = r["rows"][min(r["rows"])]["ms"]
     table = [[str(rows), f"{v['ms']:.1f}", f"{v['floor_ms']:.1f}", f"{v['ms'] / v['floor_ms']:.2f}",
               f"{v['ms'] / one:.2f}"] for rows, v in r["rows"].items()]  # fmt: skip

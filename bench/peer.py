@@ -4,7 +4,7 @@
         [--draft DIR --draft-gguf FILE] [--eagle DIR] [--mtp DIR]
         [--methods plain draft ngram-simple ngram-mod eagle mtp] [--batches 1 4]
         [--temperatures 0 1] [--max-tokens 128] [--prompts 8] [--repeats 3] [--rounds 1]
-        [--k 4] [--fixed-k] [--ttft-tokens 2000] [--quantization int8] [--out F.json]
+        [--k 4] [--fixed-k] [--ttft-tokens 2000] [--weights W] [--out F.json]
 
 One server runs at a time: ours `server.py --speculative none|draft|ngram|eagle|mtp`, llama.cpp's
 `llama-server -np BATCH --spec-type none|draft-simple|ngram-simple|ngram-mod`, its drafts
@@ -55,10 +55,12 @@ from bench.common import (
     write_json,
 )
 from bench.served import serving
+from engine.config import WEIGHTS
 from models.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "models" / "demo"
+CHAT_PROMPTS = ROOT / "train" / "chat_heldout_prompts.json"
 JSON = dict[str, Any]
 # method: (our --speculative, llama.cpp's --spec-type); None where that side lacks the method
 METHODS: dict[str, tuple[str | None, str | None]] = {
@@ -78,20 +80,31 @@ SPEC_COUNTERS = [f"tandem_spec_decode_num_{n}_tokens_total" for n in ("draft", "
 
 @dataclass(frozen=True)
 class Reply:
-    """What one completion response tells: output tokens, and its drafts if it says."""
+    """What one completion response tells: prompt and output tokens, and its drafts if it
+    says."""
 
+    prompt: int
     tokens: int
     drafted: int = 0
     accepted: int = 0
 
 
 def tandem_reply(body: JSON) -> Reply:
-    return Reply(body["usage"]["completion_tokens"])  # drafts: from /metrics
+    usage = body["usage"]
+    return Reply(usage["prompt_tokens"], usage["completion_tokens"])  # drafts: from /metrics
 
 
 def llama_reply(body: JSON) -> Reply:
     t = body.get("timings", {})  # draft_n only when the request drafted at all
-    return Reply(body["tokens_predicted"], t.get("draft_n", 0), t.get("draft_n_accepted", 0))
+    if "usage" in body:  # the chat route
+        prompt, tokens = body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]
+    else:
+        prompt, tokens = body["tokens_evaluated"], body["tokens_predicted"]
+    return Reply(prompt, tokens, t.get("draft_n", 0), t.get("draft_n_accepted", 0))
+
+
+Prompt = list[int] | list[dict[str, str]]  # token ids, or a chat's messages
+CHAT_ROUTE = "/v1/chat/completions"  # both servers', the file's chat template on both sides
 
 
 @dataclass(frozen=True)
@@ -105,9 +118,15 @@ class Side:
     reply: Callable[[JSON], Reply]
     spec_metrics: bool  # acceptance from /metrics (else from the replies)
 
-    def body(self, ids: list[int], max_tokens: int, temperature: float, seed: int) -> JSON:
-        common = {"prompt": ids, "temperature": temperature, "seed": seed, "ignore_eos": True}
-        return common | {self.length_field: max_tokens} | self.fields
+    def body(self, prompt: Prompt, max_tokens: int, temperature: float, seed: int) -> JSON:
+        """Token ids with EOS ignored, or (the chat route) messages with EOS honoured."""
+        common = {"temperature": temperature, "seed": seed} | self.fields
+        if prompt and isinstance(prompt[0], dict):
+            return common | {"messages": prompt, "max_tokens": max_tokens}
+        return common | {"prompt": prompt, "ignore_eos": True, self.length_field: max_tokens}
+
+    def route_of(self, body: JSON) -> str:
+        return CHAT_ROUTE if "messages" in body else self.route
 
 
 TANDEM = Side("tandem", "/v1/completions", "max_tokens", {}, tandem_reply, spec_metrics=True)
@@ -134,8 +153,7 @@ def tandem_launch(spec: str, args: Namespace) -> Launch:
         command += ["--draft", str(heads[spec])]
     command += ["--num-speculative-tokens", str(args.k), "--host", "127.0.0.1"]
     command += ["--fixed-k"] * args.fixed_k + shlex.split(args.server_args)
-    if args.quantization:
-        command += ["--quantization", args.quantization]
+    command += ["--weights", args.weights]
     return Launch(TANDEM, spec, 0, tuple(command))
 
 
@@ -185,6 +203,7 @@ class Cell:
     rates: list[float] = field(default_factory=list)  # output tokens/s, one per repeat
     drafted: int = 0
     accepted: int = 0
+    prompt_tokens: list[int] = field(default_factory=list)  # each request's, the first repeat
 
 
 @dataclass(frozen=True)
@@ -200,14 +219,14 @@ class Client:
             return await response.text()
 
     async def post(self, body: JSON) -> JSON:
-        async with self.session.post(self.url + self.side.route, json=body) as response:
+        async with self.session.post(self.url + self.side.route_of(body), json=body) as response:
             if response.status != 200:
                 text = (await response.text())[:300]
                 raise RuntimeError(f"{self.side.name}: HTTP {response.status}: {text}")
             return await response.json()
 
     async def group(
-        self, prompts: list[list[int]], max_tokens: int, temperature: float, seed: int
+        self, prompts: list[Prompt], max_tokens: int, temperature: float, seed: int
     ) -> tuple[float, list[Reply]]:
         """Wall seconds of the prompts' requests sent at once (seeds counting up from `seed`),
         and their replies."""
@@ -244,6 +263,8 @@ async def measure_cell(
             elapsed, replies = await client.group(group, args.max_tokens, temperature, seed)
             seconds += elapsed
             tokens += sum(r.tokens for r in replies)
+            if repeat == 0:
+                cell.prompt_tokens += [r.prompt for r in replies]
             cell.drafted += sum(r.drafted for r in replies)
             cell.accepted += sum(r.accepted for r in replies)
         cell.rates.append(tokens / seconds)
@@ -281,11 +302,17 @@ async def measure_launch(
 # ---- inputs ----
 
 
-def bench_prompts(tokenizer: Tokenizer, count: int, ttft_tokens: int) -> tuple[list, list | None]:
-    """The first `count` held-out prompts as token ids, and (None for 0) a prompt of exactly
-    `ttft_tokens` ids: all of them joined."""
+def bench_prompts(
+    tokenizer: Tokenizer, count: int, ttft_tokens: int, chat: bool = False
+) -> tuple[list[Prompt], list | None]:
+    """The first `count` held-out prompts as token ids, or (chat) the held-out chat questions
+    as one-message chats; and (None for 0) a prompt of exactly `ttft_tokens` ids: all of the
+    texts joined."""
     texts = heldout_prompts(64)
-    prompts = [tokenizer.encode(text) for text in texts[:count]]
+    prompts: list[Prompt] = [tokenizer.encode(text) for text in texts[:count]]
+    if chat:
+        questions = json.loads(CHAT_PROMPTS.read_text())[:count]
+        prompts = [[{"role": "user", "content": q}] for q in questions]
     if not ttft_tokens:
         return prompts, None
     joined = [t for text in texts for t in tokenizer.encode(text + "\n")]
@@ -302,7 +329,9 @@ def merged(earlier: JSON, later: JSON) -> JSON:
     first token the mean of the rounds' medians."""
     out = dict(later)
     out["cells"] = {
-        key: Cell(a.rates + b.rates, a.drafted + b.drafted, a.accepted + b.accepted)
+        key: Cell(
+            a.rates + b.rates, a.drafted + b.drafted, a.accepted + b.accepted, a.prompt_tokens
+        )  # fmt: skip
         for (key, a), b in zip(earlier["cells"].items(), later["cells"].values(), strict=True)
     }
     if "ttft" in earlier:
@@ -320,7 +349,8 @@ def launch_key(side: Side, method: str, batch: int) -> tuple[str, str, int] | No
 
 def cell_json(cell: Cell) -> JSON:
     acceptance = cell.accepted / cell.drafted if cell.drafted else None
-    summary = {"drafted": cell.drafted, "accepted": cell.accepted, "acceptance": acceptance}
+    summary = {"drafted": cell.drafted, "accepted": cell.accepted, "acceptance": acceptance,
+               "prompt_tokens": cell.prompt_tokens}  # fmt: skip
     return {"tokens_per_s": statistics.median(cell.rates), "rates": cell.rates} | summary
 
 
@@ -344,6 +374,10 @@ def ttft_rows(results: dict[tuple, JSON], args: Namespace) -> dict[str, JSON]:
         if key in results and "ttft" in results[key]:
             rows.setdefault(method, {})[side.name] = results[key]["ttft"]
     return rows
+
+
+def sides(row: JSON) -> list[JSON]:
+    return [row[side.name] for side in (TANDEM, LLAMA) if side.name in row]
 
 
 def ratio(ours: float | None, theirs: float | None) -> str:
@@ -407,7 +441,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Namespace:
     p.add_argument("--ttft-tokens", type=int, default=2000, help="its prompt; 0: none")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's -t and the bandwidth's")
     p.add_argument("--server-args", default="", help="more flags for server.py")
-    p.add_argument("--quantization", choices=["int8"], help="our server's --quantization")
+    p.add_argument(
+        "--chat", action="store_true", help="chat questions through the chat route, EOS honoured"
+    )
+    p.add_argument("--weights", choices=WEIGHTS, default="auto", help="our server's --weights")
     p.add_argument("--llama-args", default="", help="more flags for llama-server")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
@@ -429,8 +466,10 @@ def run(args: Namespace) -> JSON:
     """The whole comparison: prints the tables, writes the JSON, returns the report."""
     start = time.perf_counter()
     bandwidth = read_bandwidth(args.threads)  # before any server takes the cores
-    prompts, ttft_prompt = bench_prompts(Tokenizer(args.model), args.prompts, args.ttft_tokens)
-    plan = launches(args, max(map(len, prompts)) + args.max_tokens + 2 * args.k + 8)
+    tokenizer = Tokenizer(args.model)
+    prompts, ttft_prompt = bench_prompts(tokenizer, args.prompts, args.ttft_tokens, args.chat)
+    longest = max(len(tokenizer.encode_chat(p) if args.chat else p) for p in prompts)
+    plan = launches(args, longest + args.max_tokens + 2 * args.k + 8)
     results: dict[tuple, JSON] = {}
     for round_ in range(args.rounds):  # the sides take turns: the machine's drift hits both
         for launch in plan:
@@ -448,6 +487,8 @@ def run(args: Namespace) -> JSON:
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; weights (MB): ", end="")
     print(", ".join(f"{side} {n / 1e6:.0f}" for side, n in weights.items()))
     print(speed_table(rows, floor_ms))
+    unequal = [r for r in rows if len({tuple(c["prompt_tokens"]) for c in sides(r)}) > 1]
+    print("prompt tokens " + ("differ: " + str(unequal[0]) if unequal else "equal on both sides"))
     if ttft:
         print(ttft_table(ttft, args.ttft_tokens))
     report = {

@@ -143,7 +143,9 @@ class Builder:
         """Everything the engine runs (on the device's thread: model loading, calibration)."""
         config, spec = self.config, self.config.spec
         model_dir = model_path(config.model)
-        model = load_model(model_dir, self.dtype, self.device, cache_dir(), self.shard)
+        model = load_model(
+            model_dir, self.dtype, self.device, cache_dir(), self.shard, config.quantized
+        )
         self.prepare(model)
         attention = self.attention(model.config.head_dim)
         k = spec.num_draft_tokens if spec.enabled else 0
@@ -214,7 +216,7 @@ class Builder:
         cfg = self.config
         if head and self.shard is not None:
             shard_module(model, self.shard, vocab=False)
-        prepare_for_inference(model, cfg.batch_invariant, int8=cfg.quantization == "int8")
+        prepare_for_inference(model, cfg.batch_invariant, int8=cfg.weights == "int8")
         for moe in (m for m in model.modules() if isinstance(m, MoE)):
             moe.micro_batches = cfg.moe_micro_batches
         self.memory["weights"] += held_bytes(model)
@@ -252,7 +254,7 @@ class Builder:
                 spec.tree,
                 spec.tree_nodes,
             ],
-            "engine": [config.max_running, config.torch_dtype, config.quantization, config.device],
+            "engine": [config.max_running, config.torch_dtype, config.weights, config.device],
             "machine": [torch.get_num_threads(), os.cpu_count(), platform.machine()],
         }
         digest = hashlib.blake2b(json.dumps(key).encode(), digest_size=8).hexdigest()

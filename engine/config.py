@@ -176,7 +176,9 @@ def check_tree_paths(paths: tuple[tuple[int, ...], ...]) -> None:
             raise ValueError(f"tree path {path} lacks its parent {path[:-1]}")
 
 
-QUANTIZATIONS = (None, "int8")
+# what the weights are served as: "auto" a GGUF file at its own types (the native quantized
+# products, CPU) and a Hugging Face directory at its dtype; the others convert what was loaded
+WEIGHTS = ("auto", "float32", "bfloat16", "int8")
 DEVICE = re.compile(r"(cpu|cuda(:\d+)?)\Z")
 
 
@@ -195,11 +197,13 @@ class EngineConfig:
     # a MoE target's expert layers run each forward's tokens in this many micro-batches
     # (1 or 2: the source design's two halves of a verify batch)
     moe_micro_batches: int = 1
-    # "int8": every linear weight-only int8 (one scale per output row), a quarter of the
-    # bytes each forward streams; None: the weights as loaded
-    quantization: str | None = None
-    # weights and activations (`torch_dtype` resolves auto): bfloat16 on CUDA, where the
-    # kernels are made for it; float32 on the CPU, where bfloat16 checkpoints are upcast
+    # WEIGHTS: "auto" serves a GGUF file's quantized types as they are stored (a quarter to
+    # an eighth of float32's bytes a forward); "int8" every linear weight-only int8 (a scale
+    # an output row); "float32" and "bfloat16" everything at that dtype
+    weights: str = "auto"
+    # weights and activations (`torch_dtype` resolves auto): the weights' dtype where they
+    # name one, else bfloat16 on CUDA, where the kernels are made for it, and float32 on the
+    # CPU, where bfloat16 checkpoints are upcast
     dtype: str = "auto"
     max_running: int = 64  # bound on requests decoding at once
     max_waiting: int = 256  # bound on the waiting queue; past it submissions are refused
@@ -219,11 +223,11 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1")
         if self.tensor_parallel_size > 1 and (
-            self.device != "cpu" or self.quantization or self.batch_invariant
+            self.device != "cpu" or self.weights == "int8" or self.batch_invariant
         ):
             raise ValueError(
                 "tensor parallelism runs float weights on the CPU (gloo) only: not with "
-                "--quantization, --batch-invariant or a CUDA device yet"
+                "--weights int8, --batch-invariant or a CUDA device yet"
             )
         if not DEVICE.match(self.device):
             raise ValueError(f"unknown device {self.device!r}: cpu, cuda or cuda:N")
@@ -245,12 +249,13 @@ class EngineConfig:
             raise ValueError(f"moe_micro_batches must be 1 or 2, got {self.moe_micro_batches}")
         if self.batch_invariant and self.backend != "torch":
             raise ValueError("batch-invariant mode runs the torch attention backend only")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"unknown quantization {self.quantization!r}; choose from {QUANTIZATIONS[1:]}"
-            )
-        if self.quantization and (self.batch_invariant or self.device != "cpu"):
-            raise ValueError("--quantization int8 runs on the CPU, without --batch-invariant")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"unknown weights {self.weights!r}; choose from {WEIGHTS}")
+        if self.weights == "int8" and (self.batch_invariant or self.device != "cpu"):
+            raise ValueError("--weights int8 runs on the CPU, without --batch-invariant")
+        named = self.weights in ("float32", "bfloat16")
+        if named and self.dtype not in ("auto", self.weights):
+            raise ValueError(f"--weights {self.weights} with --dtype {self.dtype}: pick one")
         for name in ("max_running", "max_waiting", "max_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
@@ -262,7 +267,15 @@ class EngineConfig:
         """The dtype's name, auto resolved by the device."""
         if self.dtype != "auto":
             return self.dtype
+        if self.weights in ("float32", "bfloat16"):
+            return self.weights
         return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+    @property
+    def quantized(self) -> bool:
+        """Whether a GGUF target is served at its own quantized types (--weights auto, on the
+        CPU in float32)."""
+        return self.weights == "auto" and self.device == "cpu" and self.torch_dtype == "float32"
 
     @property
     def backend(self) -> str:

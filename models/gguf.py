@@ -19,14 +19,18 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 import tokenizers
 import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import decoders, pre_tokenizers
 from tokenizers.models import BPE
+from torch import nn
 
+from models.checkpoint import CheckpointError, to_be_loaded
+from models.linear import QuantLinear, TiedEmbedding
 from models.llama import LlamaConfig, LlamaModel, Rotary
-from models.loader import CheckpointError, to_be_loaded
+from models.quant import CODE_TYPES, Codes, codes_of
 
 # GPT-2's split, which ByteLevel(use_regex=True) applies itself
 GPT2 = "gpt2"
@@ -59,6 +63,8 @@ LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+               gguf.GGMLQuantizationType.BF16)  # fmt: skip
 
 
 # The registry package that ships SmolLM2-135M-Instruct (Apache-2.0) as a GGUF file
@@ -89,7 +95,7 @@ class Metadata:
     names."""
 
     fields: dict[str, Any]
-    tensor_names: frozenset[str]
+    tensor_types: dict[str, str]  # name -> GGUF type, in the file's order
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.fields.get(key, default)
@@ -98,8 +104,8 @@ class Metadata:
 def _open(path: str | Path) -> Any:
     try:
         return gguf.GGUFReader(str(path))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path} is not a readable GGUF file: {e}") from e
+    except Exception as e:  # a parser of untrusted bytes: whatever it meets is refused
+        raise CheckpointError(f"{path} is not a readable GGUF file: {e!r}") from e
 
 
 def _metadata(path: str | Path) -> Metadata:
@@ -114,14 +120,14 @@ def _metadata(path: str | Path) -> Metadata:
 def _cached_metadata(path: str, stamp: tuple[int, int] | None) -> Metadata:
     reader = _open(path)
     fields = {key: field.contents() for key, field in reader.fields.items()}
-    return Metadata(fields, frozenset(t.name for t in reader.tensors))
+    return Metadata(fields, {t.name: t.tensor_type.name for t in reader.tensors})
 
 
 def config_from_gguf(meta: Metadata) -> LlamaConfig:
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise CheckpointError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
-    if "rope_freqs.weight" in meta.tensor_names:
+    if "rope_freqs.weight" in meta.tensor_types:
         raise CheckpointError("GGUF rope_freqs (llama3 rope scaling) is not supported")
     key = lambda name: f"llama.{name}"  # noqa: E731
     heads = meta.get(key("attention.head_count"))
@@ -138,7 +144,7 @@ def config_from_gguf(meta: Metadata) -> LlamaConfig:
         rms_norm_eps=meta.get(key("attention.layer_norm_rms_epsilon"), 1e-5),
         rope_theta=meta.get(key("rope.freq_base"), 10000.0),
         max_position_embeddings=meta.get(key("context_length"), 2048),
-        tie_word_embeddings="output.weight" not in meta.tensor_names,
+        tie_word_embeddings="output.weight" not in meta.tensor_types,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
     )
@@ -153,22 +159,54 @@ def _our_name(name: str) -> str:
     raise CheckpointError(f"GGUF tensor {name!r} is not part of a Llama model")
 
 
-def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+def _unpermute(w: Any, heads: int) -> Any:
     """Undo llama.cpp's rotary permutation of q/k rows ([heads, 2, d/2] -> [heads, d/2, 2]
-    there): back to the rotate-half layout of Hugging Face's weights."""
+    there): back to the rotate-half layout of Hugging Face's weights (a tensor's rows, or a
+    quantized tensor's rows of blocks)."""
     rows = w.shape[0]
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _heads_of(name: str, cfg: LlamaConfig) -> int | None:
+    """The heads whose rows llama.cpp permuted in this tensor, if any."""
+    if name.endswith("q_proj.weight"):
+        return cfg.num_heads
+    if name.endswith("k_proj.weight"):
+        return cfg.num_kv_heads
+    return None
+
+
 def _tensor(t: Any) -> torch.Tensor:
     """A GGUF tensor dequantized to float32, in its logical [out, in] shape."""
-    try:
-        values = gguf.quants.dequantize(t.data, t.tensor_type)
-    except NotImplementedError as e:
-        raise CheckpointError(
-            f"GGUF tensor type {t.tensor_type.name} ({t.name}) is not supported"
-        ) from e
+    values = gguf.quants.dequantize(t.data, t.tensor_type)
     return torch.from_numpy(values.copy()).reshape(*reversed([int(n) for n in t.shape]))
+
+
+def _check_tensors(path: str | Path, reader: Any, expected: dict[str, tuple[int, ...]]) -> None:
+    """Every tensor of the file known, of the shape the config implies and of a type we can
+    read, and none missing: refused before anything is loaded, naming the file and tensor."""
+    seen = set()
+    for t in reader.tensors:
+        name = _our_name(t.name)
+        shape = tuple(reversed([int(n) for n in t.shape]))
+        if shape != expected.get(name):
+            raise CheckpointError(f"{path}: tensor {t.name} has shape {shape}")
+        if not _readable(t.tensor_type):
+            raise CheckpointError(
+                f"{path}: tensor {t.name} has type {t.tensor_type.name}, which we cannot read"
+            )
+        seen.add(name)
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise CheckpointError(f"{path} has no tensor for {missing[0]!r}")
+
+
+def _readable(kind: Any) -> bool:
+    try:
+        gguf.quants.dequantize(np.zeros(gguf.GGML_QUANT_SIZES[kind][1], np.uint8), kind)
+    except (NotImplementedError, KeyError, ValueError):
+        return False
+    return True
 
 
 def load_gguf_model(
@@ -176,54 +214,123 @@ def load_gguf_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     cache_dir: Path | None = None,
+    quantized: bool = False,
 ) -> LlamaModel:
-    """A LlamaModel with the file's weights dequantized, then converted to `dtype`. With
-    `cache_dir`, the dequantized weights are kept there as safetensors (named by the file's
-    path, size and time) and read back on the next load instead of dequantized again."""
+    """A LlamaModel with the file's weights. `quantized`: the linears at the file's own types
+    (models/quant.py; a model for the CPU, in float32 besides), the tensors of types without
+    codes dequantized (`served_dequantized` names them). Else every weight dequantized,
+    then converted to `dtype`; with `cache_dir`, the dequantized weights are kept there as
+    safetensors (named by the file's path, size and time) and read back on the next load."""
     cfg = config_from_gguf(_metadata(path))
     with to_be_loaded():
         model = LlamaModel(cfg)
     expected = {n: tuple(p.shape) for n, p in model.state_dict().items()}
-    cached = _cache_file(Path(path), cache_dir) if cache_dir else None
-    if cached is not None and cached.exists():
-        state = load_file(str(cached))
+    if cfg.tie_word_embeddings:
+        del expected["lm_head.weight"]
+    reader = _open(path)
+    _check_tensors(path, reader, expected)
+    if quantized:
+        state = _quantized(reader, cfg, model)
     else:
-        state = _dequantized(_open(path), cfg, expected)
-        if cached is not None:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
-            save_file(state, str(tmp))
-            tmp.replace(cached)
-    state = {name: w.to(device=device, dtype=dtype) for name, w in state.items()}
-    if cfg.tie_word_embeddings:
-        state["lm_head.weight"] = state["embed_tokens.weight"]
-    missing = set(expected) - set(state)
-    if missing:
-        raise CheckpointError(f"the GGUF file has no tensor for {sorted(missing)[0]!r}")
+        state = _dequantized_state(path, reader, cfg, cache_dir)
+        state = {name: w.to(device=device, dtype=dtype) for name, w in state.items()}
+        if cfg.tie_word_embeddings:
+            state["lm_head.weight"] = state["embed_tokens.weight"]
     model.load_state_dict(state, assign=True)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
+        assert isinstance(model.embed_tokens, nn.Embedding)
         model.lm_head.weight = model.embed_tokens.weight
     with torch.device(device):
         model.rotary = Rotary(cfg)
     return model.eval().requires_grad_(False)
 
 
-def _dequantized(
-    reader: Any, cfg: LlamaConfig, expected: dict[str, tuple[int, ...]]
+def served_dequantized(path: str | Path) -> list[str]:
+    """The quantized tensors of the file that a quantized load serves dequantized (their
+    types have no codes here), as "name (type)"."""
+    codes, floats = {k.name for k in CODE_TYPES}, {k.name for k in FLOAT_TYPES}
+    types = _metadata(path).tensor_types
+    return [f"{n} ({k})" for n, k in types.items() if k not in codes | floats]
+
+
+def _dequantized_state(
+    path: str | Path, reader: Any, cfg: LlamaConfig, cache_dir: Path | None
 ) -> dict[str, torch.Tensor]:
-    """The file's tensors in float32 under our names, q and k rows back in rotate-half order."""
+    """The file's tensors in float32 under our names, q and k rows back in rotate-half order
+    (read back from, or written to, the cache)."""
+    cached = _cache_file(Path(path), cache_dir) if cache_dir else None
+    if cached is not None and cached.exists():
+        return load_file(str(cached))
     state = {}
     for t in reader.tensors:
         name = _our_name(t.name)
         w = _tensor(t)
-        if name.endswith("q_proj.weight"):
-            w = _unpermute(w, cfg.num_heads)
-        elif name.endswith("k_proj.weight"):
-            w = _unpermute(w, cfg.num_kv_heads)
-        if tuple(w.shape) != expected.get(name):
-            raise CheckpointError(f"GGUF tensor {t.name} has shape {tuple(w.shape)}")
-        state[name] = w
+        heads = _heads_of(name, cfg)
+        state[name] = _unpermute(w, heads) if heads else w
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+        save_file(state, str(tmp))
+        tmp.replace(cached)
     return state
+
+
+# the linears read as one product: (their weights' names in a layer, where the product goes)
+GROUPS = (
+    (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn", "qkv")),
+    (("self_attn.o_proj",), ("self_attn", "o_proj")),
+    (("mlp.gate_proj", "mlp.up_proj"), ("mlp", "gate_up")),
+    (("mlp.down_proj",), ("mlp", "down_proj")),
+)
+
+
+def _quantized(reader: Any, cfg: LlamaConfig, model: LlamaModel) -> dict[str, torch.Tensor]:
+    """The file's linears put into `model` as QuantLinears, a tensor at a time (each tensor's
+    codes made from the mapped file, then packed); the rest returned as float32 tensors."""
+    codes: dict[str, Codes] = {}
+    state: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = _our_name(t.name)
+        heads = _heads_of(name, cfg)
+        if t.tensor_type in CODE_TYPES and len(t.shape) == 2:
+            raw = np.asarray(t.data)  # [outputs, bytes a row]
+            raw = _unpermute(raw, heads) if heads else raw
+            codes[name] = codes_of(raw, t.tensor_type, int(t.shape[0]))
+            continue
+        w = _tensor(t)
+        state[name] = _unpermute(w, heads) if heads else w
+    for i, layer in enumerate(model.layers):
+        for names, (owner, attr) in GROUPS:
+            weights = [f"layers.{i}.{n}.weight" for n in names]
+            if not all(w in codes for w in weights):  # a float among them: all float
+                state.update({w: codes.pop(w).dequantize() for w in weights if w in codes})
+                continue
+            biases = [
+                b for n in names if (b := state.pop(f"layers.{i}.{n}.bias", None)) is not None
+            ]
+            product = QuantLinear(
+                [codes.pop(w) for w in weights], torch.cat(biases) if biases else None
+            )
+            for n in names:  # the checkpoint's linears, replaced
+                setattr(getattr(layer, owner), n.split(".")[1], None)
+            setattr(getattr(layer, owner), attr, product)
+    _quantized_vocab(model, codes, state)
+    return state
+
+
+def _quantized_vocab(model: LlamaModel, codes: dict[str, Codes], state: dict) -> None:
+    """The lm_head and the embedding: quantized tables read where they are packed (a tied one
+    once, by both), or float ones into `state`."""
+    tied = model.config.tie_word_embeddings
+    head_name = "embed_tokens.weight" if tied else "lm_head.weight"
+    if head_name in codes:
+        model.lm_head = QuantLinear([codes.pop(head_name)])
+        if tied:
+            model.embed_tokens = TiedEmbedding(model.lm_head)
+    if "embed_tokens.weight" in codes:
+        model.embed_tokens = TiedEmbedding(QuantLinear([codes.pop("embed_tokens.weight")]))
+    if tied and isinstance(model.lm_head, nn.Linear):
+        state["lm_head.weight"] = state["embed_tokens.weight"]
 
 
 def _cache_file(path: Path, cache_dir: Path) -> Path:

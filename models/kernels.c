@@ -18,6 +18,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <immintrin.h>
+#include "quant.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -765,30 +766,43 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *const *args, Py_ss
  *
  * A decode (or a verify of a few rows) is, per layer, four products and a dozen small steps;
  * done here in one call, the small steps cost nanoseconds instead of a dispatched torch
- * operation each, and the products are the blocked ones above. Each layer's entry of the
- * table holds, as int64: its input norm's weight (0: none), the post-attention norm's, the
- * layer's index in the KV cache, then for each of q|k|v, o, gate|up and down: the blocked
- * weight (float32 or int8), its int8 scales (0: float32) and its bias (0: none). */
+ * operation each, and the products are the blocked ones above or the quantized ones of
+ * quant.c. Each layer's entry of the table holds, as int64: its input norm's weight (0: none),
+ * the post-attention norm's, the layer's index in the KV cache, then for each of q|k|v, o,
+ * gate|up and down: the weight (blocked float32 or int8, or packed codes), its int8 scales
+ * (0: none), its bias (0: none) and its code width (0: not packed codes; else bits, plus 256
+ * for float16 scales). */
 
 enum { W_IN_NORM, W_POST_NORM, CACHE_LAYER, LINEARS };
 enum { QKV, O, GATE_UP, DOWN };
-#define LAYER_FIELDS (LINEARS + 3 * 4)
+#define LINEAR_FIELDS 4
+#define LAYER_FIELDS (LINEARS + LINEAR_FIELDS * 4)
 
 typedef struct {
     const float *wf, *scales, *bias;
     const int8_t *wq;
+    const uint8_t *packed;
+    int64_t codes;
 } Linear;
 
 static Linear linear_of(const int64_t *w, int which) {
-    const int64_t *f = w + LINEARS + 3 * which;
-    Linear l = {PTR(const float, f[0]), PTR(const float, f[1]), PTR(const float, f[2]), NULL};
-    if (l.scales) l.wq = PTR(const int8_t, f[0]), l.wf = NULL;
+    const int64_t *f = w + LINEARS + LINEAR_FIELDS * which;
+    Linear l = {PTR(const float, f[0]), PTR(const float, f[1]), PTR(const float, f[2]), NULL,
+                NULL, f[3]};
+    if (l.codes) l.packed = PTR(const uint8_t, f[0]), l.wf = NULL;
+    else if (l.scales) l.wq = PTR(const int8_t, f[0]), l.wf = NULL;
     return l;
 }
 
-static void apply(Linear l, const float *x, float *y, int64_t rows, int64_t in, int64_t out,
-                  int threads) {
+/* 0, or -1 when a quantized product could not run */
+static int apply(Linear l, const float *x, float *y, int64_t rows, int64_t in, int64_t out,
+                 int threads) {
+    if (l.packed) {
+        QWeight q = {l.packed, l.bias, out, in, l.codes & 255, l.codes >> 8};
+        return qgemm(&q, x, y, rows, threads);
+    }
     gemm(x, l.wf, l.wq, l.scales, l.bias, y, rows, in, out, threads);
+    return 0;
 }
 
 /* decode_layers(x, table, layers, tokens, hidden, hq, hkv, dim, inter, eps, cos, sin,
@@ -832,17 +846,17 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
             rms_norm_rows(h, x, PTR(const float, w[W_IN_NORM]), n, hidden, eps);
         else
             memcpy(h, x, n * hidden * sizeof(float));
-        apply(linear_of(w, QKV), h, qkv, n, hidden, qkv_size, threads);
+        status |= apply(linear_of(w, QKV), h, qkv, n, hidden, qkv_size, threads);
         rope_rows(qkv, cos, sin, n, hq + hkv, dim, qkv_size);
         p.out = att, p.q = qkv, p.k = qkv + hq * dim, p.v = qkv + (hq + hkv) * dim;
         p.store = store_base + w[CACHE_LAYER] * layer_floats;
-        status = paged_attend(&p, threads);
-        apply(linear_of(w, O), att, y, n, hq * dim, hidden, threads);
+        status |= paged_attend(&p, threads);
+        status |= apply(linear_of(w, O), att, y, n, hq * dim, hidden, threads);
         for (int64_t i = 0; i < n * hidden; i++) x[i] += y[i];
         rms_norm_rows(h, x, PTR(const float, w[W_POST_NORM]), n, hidden, eps);
-        apply(linear_of(w, GATE_UP), h, gu, n, hidden, 2 * inter, threads);
+        status |= apply(linear_of(w, GATE_UP), h, gu, n, hidden, 2 * inter, threads);
         silu_mul_rows(act, gu, n, inter);
-        apply(linear_of(w, DOWN), act, y, n, inter, hidden, threads);
+        status |= apply(linear_of(w, DOWN), act, y, n, inter, hidden, threads);
         for (int64_t i = 0; i < n * hidden; i++) x[i] += y[i];
         if (aux_every[l]) {
             memcpy(aux_out, x, n * hidden * sizeof(float));
@@ -855,6 +869,37 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
     Py_RETURN_NONE;
 }
 
+/* qlinear(y, x, packed, bias, rows, in, out, bits, half_scales, threads) (quant.c) */
+static PyObject *py_qlinear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[10];
+    if (ints(args, nargs, 10, a)) return NULL;
+    QWeight w = {PTR(const uint8_t, a[2]), PTR(const float, a[3]), a[6], a[5], a[7], a[8]};
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = qgemm(&w, PTR(const float, a[1]), PTR(float, a[0]), a[4], (int)a[9]);
+    Py_END_ALLOW_THREADS
+    if (status) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* qrows(out, packed, ids, n, out_features, in, bits, half_scales) (quant.c) */
+static PyObject *py_qrows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[8];
+    if (ints(args, nargs, 8, a)) return NULL;
+    QWeight w = {PTR(const uint8_t, a[1]), NULL, a[4], a[5], a[6], a[7]};
+    Py_BEGIN_ALLOW_THREADS
+    qrows(&w, PTR(const int64_t, a[2]), a[3], PTR(float, a[0]));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* qpath(want): the quantized products' path, forced (want >= 0) or the best (-1) */
+static PyObject *py_qpath(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[1];
+    if (ints(args, nargs, 1, a)) return NULL;
+    return PyLong_FromLong(qpath_select((int)a[0]));
+}
+
 static PyMethodDef methods[] = {
     {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL, "x W^T, W blocked"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, "RMSNorm of rows"},
@@ -864,6 +909,9 @@ static PyMethodDef methods[] = {
      "write k, v into the paged store and attend"},
     {"decode_layers", (PyCFunction)(void (*)(void))py_decode_layers, METH_FASTCALL,
      "a forward of a few tokens through decoder layers"},
+    {"qlinear", (PyCFunction)(void (*)(void))py_qlinear, METH_FASTCALL, "x W^T, W packed codes"},
+    {"qrows", (PyCFunction)(void (*)(void))py_qrows, METH_FASTCALL, "rows of W, dequantized"},
+    {"qpath", (PyCFunction)(void (*)(void))py_qpath, METH_FASTCALL, "the quantized path"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models import native
+from models.quant import Codes, cat, exact_in_half, pack
 
 
 class FusedLinear(nn.Module):
@@ -60,6 +61,10 @@ class FusedLinear(nn.Module):
         else:
             self.weight, self.scales = weight.contiguous(), scales
 
+    @property
+    def runs_native(self) -> bool:
+        return self.blocked is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocked is not None:
             return native.linear(x, self.blocked, self.out_features, self.bias, self.scales)
@@ -83,10 +88,64 @@ class FusedLinear(nn.Module):
         return F.embedding(ids, self.weight)
 
 
-class TiedEmbedding(nn.Module):
-    """An embedding whose table is the lm_head's weight, read where the lm_head keeps it."""
+class QuantLinear(nn.Module):
+    """y = x @ W.T + b with W block-quantized (models/quant.py), the given parts stacked along
+    their outputs. Where the native kernels run it, W is held packed and multiplied at its
+    width (quant.c); elsewhere it is held as codes and dequantized for each product (torch's
+    path: slow, exact, and the reference the kernels are tested against)."""
 
-    def __init__(self, head: FusedLinear):
+    bias: torch.Tensor | None
+
+    def __init__(self, parts: Sequence[Codes], bias: torch.Tensor | None = None):
+        super().__init__()
+        codes = parts[0] if len(parts) == 1 else cat(list(parts))
+        if codes.half and not exact_in_half(codes):
+            codes = Codes(codes.codes, codes.d, codes.m, codes.bits, False)
+        self.register_buffer("bias", bias, persistent=False)
+        self.sizes = [p.shape[0] for p in parts]
+        self.out_features, self.in_features = codes.shape
+        self.bits, self.half_scales = codes.bits, codes.half
+        # exactly one of: packed for the kernels, or the codes for torch's path
+        self.packed: torch.Tensor | None = None
+        self.codes: Codes | None = None
+        if native.quant_path() != "torch":
+            self.packed = pack(codes)
+        else:
+            self.codes = codes
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def runs_native(self) -> bool:
+        return self.packed is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return native.qlinear(
+                x, self.packed, self.shape, self.bits, self.half_scales, self.bias
+            )
+        assert self.codes is not None
+        return F.linear(x, self.codes.dequantize(), self.bias)
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The product split back into the parts' outputs."""
+        return self(x).split_with_sizes(self.sizes, -1)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """W[ids] [*ids.shape, I], dequantized (an embedding's lookup)."""
+        if self.packed is not None:
+            return native.qrows(ids, self.packed, self.shape, self.bits, self.half_scales)
+        assert self.codes is not None
+        return self.codes.rows(ids.reshape(-1)).dequantize().view(*ids.shape, -1)
+
+
+class TiedEmbedding(nn.Module):
+    """An embedding whose table is a linear's weight, read where the linear keeps it: the
+    lm_head's when tied, or a quantized table's own."""
+
+    def __init__(self, head: FusedLinear | QuantLinear):
         super().__init__()
         self.head = head
 
@@ -110,5 +169,10 @@ def held_bytes(module: nn.Module) -> int:
     for sub in module.modules():
         if isinstance(sub, FusedLinear):
             tensors += [t for t in (sub.blocked, sub.weight, sub.scales) if t is not None]
+        elif isinstance(sub, QuantLinear):
+            held = [sub.packed] if sub.packed is not None else []
+            if sub.codes is not None:
+                held += [sub.codes.codes, sub.codes.d, sub.codes.m]
+            tensors += held
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())

@@ -17,7 +17,7 @@ from torch import nn
 
 from models import native
 from models.attention import Attention, TorchPagedAttention
-from models.linear import FusedLinear, TiedEmbedding, fuse_linears
+from models.linear import FusedLinear, QuantLinear, TiedEmbedding, fuse_linears
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class SelfAttention(nn.Module):
         self.k_proj: nn.Linear | None = nn.Linear(inp, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.v_proj: nn.Linear | None = nn.Linear(inp, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj: nn.Module = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=False)
-        self.qkv: FusedLinear | None = None  # q|k|v fused for inference (prepare_for_inference)
+        self.qkv: FusedLinear | QuantLinear | None = None  # q|k|v fused for inference
         self.native = False  # rotary through models/kernels.c (prepare_for_inference)
 
     def forward(
@@ -144,7 +144,7 @@ class MLP(nn.Module):
         self.gate_proj: nn.Linear | None = nn.Linear(h, i, bias=False)
         self.up_proj: nn.Linear | None = nn.Linear(h, i, bias=False)
         self.down_proj: nn.Module = nn.Linear(i, h, bias=False)
-        self.gate_up: FusedLinear | None = None  # gate|up fused for inference
+        self.gate_up: FusedLinear | QuantLinear | None = None  # gate|up fused for inference
         self.native = False  # silu(gate) * up through models/kernels.c
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -218,7 +218,7 @@ def prepare_for_inference(
             sub.native = native.usable(sub.weight)
         elif isinstance(sub, SelfAttention | MLP):  # float32 on the CPU, as their products
             product = sub.qkv if isinstance(sub, SelfAttention) else sub.gate_up
-            sub.native = product is not None and product.blocked is not None
+            sub.native = product is not None and product.runs_native
     for sub in module.modules():
         if isinstance(sub, Stacked) and not batch_invariant:
             sub.decoder = NativeDecoder.of(sub.stack())
@@ -271,7 +271,7 @@ class NativeDecoder:
 
     def __init__(self, layers: list[DecoderLayer], table: torch.Tensor, keep: list):
         self.layers = layers
-        self.table = table  # [layers, 15] int64 (kernels.c: the layer table)
+        self.table = table  # [layers, 19] int64 (kernels.c: the layer table)
         self.keep = keep  # the blocked weights the table points to
         # per choice of aux layers: [layers] uint8 flags and how many are set
         self.aux_flags: dict[tuple[int, ...], tuple[torch.Tensor, int]] = {}
@@ -289,12 +289,16 @@ class NativeDecoder:
         keep: list[torch.Tensor] = []
 
         def linear(lin: nn.Module) -> list[int] | None:
-            """(weight, scales, bias) pointers of a product the kernels can run."""
-            if not (isinstance(lin, FusedLinear) and lin.blocked is not None):
+            """(weight, scales, bias, code width) of a product the kernels can run."""
+            if not (isinstance(lin, FusedLinear | QuantLinear) and lin.runs_native):
                 return None
             bias = lin.bias.contiguous() if lin.bias is not None else None
-            keep.extend(t for t in (lin.blocked, lin.scales, bias) if t is not None)
-            return [t.data_ptr() if t is not None else 0 for t in (lin.blocked, lin.scales, bias)]
+            if isinstance(lin, QuantLinear):
+                tensors, width = [lin.packed, None, bias], lin.bits + 256 * lin.half_scales
+            else:
+                tensors, width = [lin.blocked, lin.scales, bias], 0
+            keep.extend(t for t in tensors if t is not None)
+            return [t.data_ptr() if t is not None else 0 for t in tensors] + [width]
 
         for layer in layers:
             attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
@@ -364,11 +368,13 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # an nn.Embedding and nn.Linear to train and load; at inference, read where a tied or
+        # quantized table is kept (models/linear.py)
+        self.embed_tokens: nn.Module = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head: nn.Module = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.decoder: NativeDecoder | None = None  # short forwards (prepare_for_inference)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

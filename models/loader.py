@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import nn
 
+from models.checkpoint import CheckpointError, to_be_loaded
+from models.gguf import load_gguf_model
 from models.llama import LlamaConfig, LlamaModel, Rotary
 from models.parallel import Shard, shard_module
 
@@ -34,34 +35,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # buffers some older checkpoints carry; we recompute them
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-# what nn.Linear and nn.Embedding initialise their weights with
-INITIALISERS = ("kaiming_uniform_", "uniform_", "normal_")
-
-
-@contextlib.contextmanager
-def to_be_loaded() -> Iterator[None]:
-    """Modules built inside are placeholders for weights loaded next: on the meta device, not
-    initialised (an initialiser of a meta tensor computes nothing, yet imports torch's
-    compiler, about 150 MB resident for the life of the process)."""
-    saved = {name: getattr(nn.init, name) for name in INITIALISERS}
-    try:
-        for name in INITIALISERS:
-            setattr(nn.init, name, _untouched)
-        with torch.device("meta"):
-            yield
-    finally:
-        for name, initialiser in saved.items():
-            setattr(nn.init, name, initialiser)
-
-
-def _untouched(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return tensor
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that we cannot load, with the reason in the message."""
 
 
 # ---------------------------------------------------------------- config.json
@@ -270,20 +243,20 @@ def load_model(
     device: torch.device | str = "cpu",
     cache_dir: Path | None = None,
     shard: Shard | None = None,
+    quantized: bool = False,
 ) -> LlamaModel:
     """A LlamaModel with the directory's weights (or a GGUF file's, models/gguf.py, whose
     dequantized weights are kept in `cache_dir` when given), converted to `dtype`, in eval
     mode. `shard`: this rank's slice of a tensor-parallel model (models/parallel.py), read
-    from the files slice by slice."""
+    from the files slice by slice. `quantized`: a GGUF file's linears at their own types
+    (models/gguf.py)."""
     if Path(directory).suffix == ".gguf":
         if shard is not None:
             raise ValueError(
                 "a GGUF file is not served with tensor parallelism: give a Hugging Face "
                 "directory (or --tensor-parallel-size 1)"
             )
-        from models.gguf import load_gguf_model  # models.gguf builds on this module
-
-        return load_gguf_model(directory, dtype, device, cache_dir)
+        return load_gguf_model(directory, dtype, device, cache_dir, quantized)
     d = read_config(directory)
     if d.get("architectures") == ["DeepseekV3ForCausalLM"]:
         from models.deepseek import load_deepseek  # models.deepseek builds on this module

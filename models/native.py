@@ -23,10 +23,29 @@ except ImportError:  # not built: the torch path
     _kernels = None
 
 DISABLE_ENV = "TANDEM_NATIVE"  # "0": run the torch path even where the kernels built
+# the quantized products' path (kernels.c, quant.c): "auto" (the best the CPU has), "vnni512",
+# "avx2", or "torch" (dequantize, then torch's product)
+QUANT_PATH_ENV = "TANDEM_QUANT_PATH"
+QUANT_PATHS = {"torch": 0, "avx2": 1, "vnni512": 2}
 
 
 def available() -> bool:
     return _kernels is not None and os.environ.get(DISABLE_ENV, "1") != "0"
+
+
+def quant_path() -> str:
+    """The path quantized products take here: the one TANDEM_QUANT_PATH forces (refused where
+    the CPU lacks it), else the best the CPU has; "torch" where the kernels did not build."""
+    want = os.environ.get(QUANT_PATH_ENV, "auto")
+    if want != "auto" and want not in QUANT_PATHS:
+        raise ValueError(f"{QUANT_PATH_ENV}={want!r}: choose auto or one of {list(QUANT_PATHS)}")
+    if not available():
+        return "torch"
+    chosen = _kernels.qpath(QUANT_PATHS.get(want, -1))
+    name = {v: k for k, v in QUANT_PATHS.items()}[chosen]
+    if want != "auto" and name != want:
+        raise ValueError(f"{QUANT_PATH_ENV}={want}: this CPU lacks the instructions it needs")
+    return name
 
 
 def usable(*tensors: torch.Tensor) -> bool:
@@ -81,6 +100,35 @@ def linear(
         torch.get_num_threads(),
     )  # fmt: skip
     return y
+
+
+def qlinear(
+    x: torch.Tensor,  # [M, I] float32
+    packed: torch.Tensor,  # models/quant.py: pack
+    shape: tuple[int, int],  # O, I
+    bits: int,
+    half: bool,
+    bias: torch.Tensor | None = None,  # [O]
+) -> torch.Tensor:
+    """x W^T + bias [M, O] from packed codes (quant.c)."""
+    x = x.contiguous()
+    y = x.new_empty(x.shape[0], shape[0])
+    _kernels.qlinear(
+        y.data_ptr(), x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else 0,
+        x.shape[0], shape[1], shape[0], bits, int(half), torch.get_num_threads(),
+    )  # fmt: skip
+    return y
+
+
+def qrows(
+    ids: torch.Tensor, packed: torch.Tensor, shape: tuple[int, int], bits: int, half: bool
+) -> torch.Tensor:
+    """Rows `ids` of a packed W, dequantized: [*ids.shape, I] float32."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.shape[0], shape[1])
+    _kernels.qrows(out.data_ptr(), packed.data_ptr(), flat.data_ptr(), flat.shape[0], *shape,
+                   bits, int(half))  # fmt: skip
+    return out.view(*ids.shape, shape[1])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -163,7 +211,7 @@ class PagedAttention:
 
 def decode_layers(
     x: torch.Tensor,  # [T, H] float32, updated in place
-    table: torch.Tensor,  # [layers, 15] int64 (kernels.c)
+    table: torch.Tensor,  # [layers, 19] int64 (kernels.c)
     shape: tuple[int, int, int],  # q heads, kv heads, head_dim
     inter: int,
     eps: float,

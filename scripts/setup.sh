@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 stamp=.venv/.tandem-installed
-want=$(cat pyproject.toml setup.py models/kernels.c scripts/setup.sh | sha256sum | cut -d" " -f1)
+want=$(cat pyproject.toml setup.py models/kernels.c models/quant.c models/quant.h scripts/setup.sh | sha256sum | cut -d" " -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     .venv/bin/pip install --quiet --upgrade pip
     # pinned: this is the CPU build; an unpinned torch pulls a multi-GB CUDA build

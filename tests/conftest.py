@@ -35,6 +35,14 @@ def tiny_target(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_quant_target(tiny_target, tmp_path_factory):
+    """The tiny target as a GGUF file of mixed block types, served at those types."""
+    from tests.tiny import QUANT_MIX, write_gguf
+
+    return write_gguf(tiny_target, tmp_path_factory.mktemp("quant") / "target.gguf", QUANT_MIX)
+
+
+@pytest.fixture(scope="session")
 def tiny_draft(tmp_path_factory):
     from tests.tiny import write_model
 

@@ -4,89 +4,16 @@ and the same tokenizer; what is not supported is refused by name."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import gguf
-import numpy as np
 import pytest
 import torch
 
 import models.gguf
 from models.attention import CausalAttention
-from models.gguf import LAYER_NAMES, TOP_NAMES
-from models.loader import CheckpointError, load_model, read_config, read_safetensors
+from models.loader import CheckpointError, load_model
 from models.tokenizer import Tokenizer
-from tests.tiny import write_model
-
-Q8_0 = gguf.GGMLQuantizationType.Q8_0
-SPECIAL = 3  # llama.cpp's token type of a control token
-
-
-def permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's converter's reordering of q/k rows for its rotary layout."""
-    rows = w.shape[0]
-    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def gguf_name(hf: str) -> str:
-    ours = hf.removeprefix("model.")
-    if ours.startswith("layers."):
-        _, layer, *module, kind = ours.split(".")
-        short = {v: k for k, v in LAYER_NAMES.items()}[".".join(module)]
-        return f"blk.{layer}.{short}.{kind}"
-    module, kind = ours.split(".")
-    return f"{ {v: k for k, v in TOP_NAMES.items()}[module] }.{kind}"
-
-
-def write_gguf(directory: Path, path: Path, quantize: bool = False, **overrides) -> Path:
-    """The HF checkpoint in `directory` as a GGUF file at `path`."""
-    cfg = read_config(directory) | overrides
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    writer = gguf.GGUFWriter(str(path), cfg.get("gguf_arch", "llama"))
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
-    writer.add_vocab_size(cfg["vocab_size"])
-    write_vocab(writer, directory, cfg.get("gguf_pre", "gpt2"))
-    for name, tensor in read_safetensors(directory).items():
-        w = tensor.float().numpy()
-        if name.endswith("q_proj.weight"):
-            w = permute(w, heads)
-        elif name.endswith("k_proj.weight"):
-            w = permute(w, kv_heads)
-        if quantize and w.ndim == 2:
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(w, Q8_0), raw_dtype=Q8_0)
-        else:
-            writer.add_tensor(gguf_name(name), w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-def write_vocab(writer: gguf.GGUFWriter, directory: Path, pre: str) -> None:
-    spec = json.loads((directory / "tokenizer.json").read_text())
-    vocab = spec["model"]["vocab"]
-    tokens = sorted(vocab, key=vocab.get)
-    special = {a["content"] for a in spec["added_tokens"] if a["special"]}
-    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types([SPECIAL if t in special else 1 for t in tokens])
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(vocab["<|endoftext|>"])
-    writer.add_eos_token_id(vocab["<|endoftext|>"])
-    writer.add_add_bos_token(False)
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-    writer.add_chat_template(config["chat_template"])
+from tests.tiny import Q8_0, write_gguf, write_model
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +30,7 @@ def logits(model, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("quantize", [False, True])
 def test_a_gguf_loads_to_the_same_model(checkpoint, tmp_path, quantize):
-    path = write_gguf(checkpoint, tmp_path / "model.gguf", quantize=quantize)
+    path = write_gguf(checkpoint, tmp_path / "model.gguf", Q8_0 if quantize else None)
     ids = [5, 17, 33, 2, 9, 100, 41]
     want = logits(load_model(checkpoint), ids)
     got = logits(load_model(path), ids)
@@ -115,7 +42,7 @@ def test_a_gguf_loads_to_the_same_model(checkpoint, tmp_path, quantize):
 
 
 def test_the_dequantized_weights_are_cached(checkpoint, tmp_path, monkeypatch):
-    path = write_gguf(checkpoint, tmp_path / "model.gguf", quantize=True)
+    path = write_gguf(checkpoint, tmp_path / "model.gguf", Q8_0)
     ids = [5, 17, 33, 2, 9, 100, 41]
     first = logits(load_model(path, cache_dir=tmp_path / "cache"), ids)
     assert len(list((tmp_path / "cache").glob("gguf-*.safetensors"))) == 1
@@ -123,7 +50,7 @@ def test_the_dequantized_weights_are_cached(checkpoint, tmp_path, monkeypatch):
     def refuse(*args):
         raise AssertionError("dequantized again")
 
-    monkeypatch.setattr(models.gguf, "_dequantized", refuse)
+    monkeypatch.setattr(models.gguf, "_tensor", refuse)
     assert torch.equal(logits(load_model(path, cache_dir=tmp_path / "cache"), ids), first)
     with pytest.raises(AssertionError, match="dequantized again"):
         load_model(path)  # no cache given: the file is read
@@ -172,7 +99,7 @@ async def test_smollm2_answers_and_its_drafters_are_lossless():
     from engine.request import SamplingParams
     from tests.engine_util import make_config, running, token_ids
 
-    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
     params = SamplingParams(max_tokens=24, temperature=0)
     outputs = {}
     tree = {"tree": "dynamic", "tree_nodes": 7, "tree_depth": 3}

@@ -8,7 +8,11 @@ import pytest
 
 from engine.request import SamplingParams
 from engine.trace import Tracer
+from models.eagle import save_eagle_head
+from models.loader import load_model
+from models.mtp import save_mtp_head
 from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
+from tests.tiny import random_eagle_head, random_mtp_head
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -42,17 +46,38 @@ async def test_greedy_speculation_equals_plain(
         assert engine.allocator.num_free == engine.allocator.num_pages
 
 
-async def test_greedy_speculation_on_an_int8_target_equals_its_plain_decoding(
-    tiny_target, tiny_draft, prompts
+@pytest.fixture(scope="module")
+def heads(tiny_target, tmp_path_factory):
+    """An EAGLE and an MTP head of the tiny target's shape (random)."""
+    target = load_model(tiny_target)
+    eagle, mtp = tmp_path_factory.mktemp("eagle"), tmp_path_factory.mktemp("mtp")
+    save_eagle_head(random_eagle_head(target, norms=False), eagle)
+    save_mtp_head(random_mtp_head(target, seed=7), mtp)
+    return {"eagle": eagle, "mtp": mtp}
+
+
+@pytest.fixture(scope="module")
+def plain_outputs():
+    """Greedy plain decoding of each quantized form, computed once."""
+    return {}
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram", "suffix", "eagle", "mtp"])
+@pytest.mark.parametrize("weights", ["int8", "file"])
+async def test_greedy_speculation_on_quantized_weights_equals_their_plain_decoding(
+    tiny_target, tiny_quant_target, tiny_draft, heads, prompts, plain_outputs, method, weights
 ):
-    """--quantization int8 changes the model (both sides are its int8 forwards), not the
-    losslessness."""
-    plain = make_config(tiny_target, quantization="int8")
-    spec = make_config(tiny_target, "draft", tiny_draft, k=3, quantization="int8")
-    async with running(plain) as engine:
-        want = await staggered(engine, prompts[:8], GREEDY)
-    async with running(spec) as engine:
-        assert await staggered(engine, prompts[:8], GREEDY, seed=5) == want
+    """Quantized weights change the model (both sides are its quantized forwards), not the
+    losslessness: --weights int8, and a GGUF file of mixed block types served at them."""
+    target, kw = (
+        (tiny_target, {"weights": "int8"}) if weights == "int8" else (tiny_quant_target, {})
+    )
+    if weights not in plain_outputs:
+        async with running(make_config(target, **kw)) as engine:
+            plain_outputs[weights] = await staggered(engine, prompts[:8], GREEDY)
+    draft = tiny_draft if method == "draft" else heads.get(method)
+    async with running(make_config(target, method, draft, k=3, **kw)) as engine:
+        assert await staggered(engine, prompts[:8], GREEDY, seed=5) == plain_outputs[weights]
 
 
 async def test_draft_model_accepts_its_own_output(tiny_target):

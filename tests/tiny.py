@@ -7,12 +7,15 @@ import dataclasses
 import json
 from pathlib import Path
 
+import gguf
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from models.eagle import Eagle3Head, EagleHead
+from models.gguf import LAYER_NAMES, TOP_NAMES
 from models.llama import LlamaConfig, LlamaModel
-from models.loader import load_model, save_pretrained
+from models.loader import load_model, read_config, read_safetensors, save_pretrained
 from models.mtp import MTPHead
 
 TEXT = [
@@ -139,3 +142,102 @@ def write_near_tie_model(directory: Path, seed: int = 0, gap: float = 1e-6) -> P
         weight[1::2] = twin * (1 + gap * noise)
     save_pretrained(model, directory, dtype=torch.float32)
     return directory
+
+
+# ---------------------------------------------------------------- GGUF files
+
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+# a file of every type with codes that a 64-wide model can hold (Q4_K needs 256 inputs)
+T = gguf.GGMLQuantizationType
+QUANT_MIX = {"attn_q": T.Q4_0, "attn_k": T.Q4_0, "attn_v": T.Q5_0, "attn_output": T.Q4_1,
+             "ffn_gate": T.Q4_1, "ffn_up": T.Q4_1, "ffn_down": T.Q8_0, "token_embd": T.Q8_0,
+             "output": T.Q4_0}  # fmt: skip
+SPECIAL = 3  # llama.cpp's token type of a control token
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's reordering of q/k rows for its rotary layout."""
+    rows = w.shape[0]
+    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(hf: str) -> str:
+    ours = hf.removeprefix("model.")
+    if ours.startswith("layers."):
+        _, layer, *module, kind = ours.split(".")
+        short = {v: k for k, v in LAYER_NAMES.items()}[".".join(module)]
+        return f"blk.{layer}.{short}.{kind}"
+    module, kind = ours.split(".")
+    return f"{ {v: k for k, v in TOP_NAMES.items()}[module] }.{kind}"
+
+
+def write_gguf(
+    directory: Path,
+    path: Path,
+    kinds: gguf.GGMLQuantizationType | dict[str, gguf.GGMLQuantizationType] | None = None,
+    **overrides,
+) -> Path:
+    """The HF checkpoint in `directory` as a GGUF file at `path`; `kinds`: the type of every
+    matrix, or by GGUF tensor kind ("attn_q", "token_embd", ...) or name ("blk.0.attn_q"),
+    the others F32."""
+    cfg = read_config(directory) | overrides
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    writer = gguf.GGUFWriter(str(path), cfg.get("gguf_arch", "llama"))
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
+    writer.add_vocab_size(cfg["vocab_size"])
+    write_vocab(writer, directory, cfg.get("gguf_pre", "gpt2"))
+    for name, tensor in read_safetensors(directory).items():
+        w = tensor.float().numpy()
+        if name.endswith("q_proj.weight"):
+            w = permute(w, heads)
+        elif name.endswith("k_proj.weight"):
+            w = permute(w, kv_heads)
+        full = gguf_name(name).removesuffix(".weight")
+        kind = kinds.get(full, kinds.get(full.split(".")[-1])) if isinstance(kinds, dict) else kinds
+        if kind is not None and w.ndim == 2:
+            writer.add_tensor(gguf_name(name), quantized(w, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(gguf_name(name), w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def quantized(w: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
+    """w's blocks of `kind`: quantized by the gguf library where it can, else random bytes
+    whose leading float16 (each type's first scale) is 0.01."""
+    try:
+        return gguf.quants.quantize(w, kind)
+    except NotImplementedError:
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        rng = np.random.default_rng(0)
+        data = rng.integers(0, 256, (w.shape[0], w.shape[1] // block, size), dtype=np.uint8)
+        data[..., :2] = np.array([0.01], np.float16).view(np.uint8)
+        return data.reshape(w.shape[0], -1)
+
+
+def write_vocab(writer: gguf.GGUFWriter, directory: Path, pre: str) -> None:
+    spec = json.loads((directory / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    special = {a["content"] for a in spec["added_tokens"] if a["special"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([SPECIAL if t in special else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(vocab["<|endoftext|>"])
+    writer.add_eos_token_id(vocab["<|endoftext|>"])
+    writer.add_add_bos_token(False)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    writer.add_chat_template(config["chat_template"])

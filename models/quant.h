@@ -1,0 +1,31 @@
+/* Products over block-quantized weights (models/quant.c), for models/kernels.c. */
+
+#ifndef TANDEM_QUANT_H
+#define TANDEM_QUANT_H
+
+#include <stdint.h>
+
+/* the kernel paths, chosen at run time from the CPU's features (or forced) */
+enum { QPATH_NONE = 0, QPATH_AVX2 = 1, QPATH_VNNI512 = 2 };
+
+/* A packed weight [O, I] (models/quant.py: pack): for each block of 16 outputs and each 32
+ * inputs, a chunk of the codes (4 or 8 bits), then 16 scales d and 16 offsets m (float16 or
+ * float32): w = d * code + m. */
+typedef struct {
+    const uint8_t *packed;
+    const float *bias; /* [O] or NULL */
+    int64_t out, in, bits, half_scales;
+} QWeight;
+
+/* y [M, O] = x [M, I] W^T (+ bias); the activations are quantized to int8 a row and 32
+ * inputs at a time. 0, or -1 when out of memory (called without the GIL). */
+int qgemm(const QWeight *w, const float *x, float *y, int64_t rows, int threads);
+
+/* the path qgemm takes: `want` QPATH_* forced (if the CPU has it), or -1 for the best; the
+ * path chosen is returned */
+int qpath_select(int want);
+
+/* rows `ids` of W dequantized: out [n, I] (a tied embedding's lookup) */
+void qrows(const QWeight *w, const int64_t *ids, int64_t n, float *out);
+
+#endif

@@ -1,0 +1,264 @@
+"""Quantized weights at their own width (models/quant.py, models/quant.c).
+
+The codes of each GGUF type give back exactly the values the `gguf` library dequantizes; the
+native products equal dequantize-then-multiply in float32 within the bound their activation
+quantization implies, on every path this CPU has; a row's result does not depend on the rows
+beside it."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from bench.common import paged_attention
+from models import native
+from models.attention import CausalAttention
+from models.checkpoint import CheckpointError
+from models.gguf import served_dequantized
+from models.linear import QuantLinear, held_bytes
+from models.llama import prepare_for_inference
+from models.loader import load_model
+from models.quant import CODE_TYPES, QK, Codes, cat, codes_of, pack
+from tests.tiny import QUANT_MIX, write_gguf
+
+T = gguf.GGMLQuantizationType
+NATIVE_PATHS = [p for p in ("vnni512", "avx2") if native.available()]
+
+
+def random_blocks(kind: T, rows: int, inputs: int, seed: int, extreme: bool = False) -> np.ndarray:
+    """A tensor's bytes [rows, bytes a row] of `kind`: quantized from random weights where
+    the library can, else random bytes with finite float16 scales. `extreme`: the weights
+    (or scales) span from subnormal to near float16's largest."""
+    rng = np.random.default_rng(seed)
+    if kind != T.Q4_K:
+        w = rng.standard_normal((rows, inputs)).astype(np.float32)
+        if extreme:  # each block's magnitude its own, 1e-6 .. 1e3
+            w *= (
+                (10.0 ** rng.uniform(-6, 3, (rows, inputs // QK, 1)))
+                .repeat(QK, -1)
+                .reshape(w.shape)
+            )
+        return gguf.quants.quantize(w, kind)
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    raw = rng.integers(0, 256, (rows, inputs // block, size), dtype=np.uint8)
+    low, high = (-24, 5) if extreme else (-12, -4)
+    scales = (2.0 ** rng.uniform(low, high, (rows, inputs // block, 2))).astype(np.float16)
+    raw[..., 0:4] = scales.view(np.uint8).reshape(rows, inputs // block, 4)
+    return raw.reshape(rows, -1)
+
+
+def reference(raw: np.ndarray, kind: T, inputs: int) -> torch.Tensor:
+    values = gguf.quants.dequantize(raw, kind)
+    return torch.from_numpy(values.copy()).reshape(raw.shape[0], inputs)
+
+
+@pytest.mark.parametrize("extreme", [False, True])
+@pytest.mark.parametrize("kind", CODE_TYPES, ids=lambda k: k.name)
+def test_codes_give_back_the_files_values_exactly(kind, extreme):
+    raw = random_blocks(kind, 24, 512, seed=1, extreme=extreme)
+    codes = codes_of(raw, kind, 512)
+    assert torch.equal(codes.dequantize(), reference(raw, kind, 512))
+    assert int(codes.codes.max()) < 2**codes.bits
+
+
+def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """|y - y_ref| for y = x W^T with x quantized to int8 a row and 32 inputs at a time (each
+    input off by at most dx / 2, dx = max|x| / 127 of its block), plus float32's rounding of
+    the sums (2^-20 of sum |x w|, far above n * 2^-24 for the sums here)."""
+    rows, inputs = x.shape
+    dx = x.view(rows, -1, QK).abs().amax(-1) / 127  # [M, I / 32]
+    per_block = w.abs().view(w.shape[0], -1, QK).sum(-1)  # [O, I / 32]
+    return (dx / 2) @ per_block.T + 2**-20 * (x.abs() @ w.abs().T)
+
+
+def product(codes: Codes, x: torch.Tensor, path: str, monkeypatch) -> torch.Tensor:
+    monkeypatch.setenv(native.QUANT_PATH_ENV, path)
+    assert native.quant_path() == path
+    return native.qlinear(x, pack(codes), codes.shape, codes.bits, codes.half)
+
+
+def require(path: str) -> None:
+    chosen = native._kernels.qpath(native.QUANT_PATHS[path])
+    native._kernels.qpath(-1)
+    if chosen != native.QUANT_PATHS[path]:
+        pytest.skip(f"this CPU has no {path} path")
+
+
+@pytest.fixture(autouse=True)
+def best_path_after():
+    """A test that forces a path leaves the best one chosen again."""
+    yield
+    if native.available():
+        native._kernels.qpath(-1)
+
+
+@pytest.mark.parametrize("path", NATIVE_PATHS)
+@pytest.mark.parametrize("kind", CODE_TYPES, ids=lambda k: k.name)
+@pytest.mark.parametrize("extreme", [False, True])
+def test_the_products_equal_dequantize_then_multiply_within_the_bound(
+    path, kind, extreme, monkeypatch
+):
+    require(path)
+    raw = random_blocks(kind, 40, 256, seed=2, extreme=extreme)
+    codes = codes_of(raw, kind, 256)
+    w = codes.dequantize()
+    gen = torch.Generator().manual_seed(3)
+    for rows in (1, 3, 8, 9, 17, 64):
+        x = torch.randn(rows, 256, generator=gen)
+        if extreme:  # a few huge inputs among small ones
+            x[:, ::37] *= 1e4
+        y = product(codes, x, path, monkeypatch)
+        assert ((y - x @ w.T).abs() <= bound(x, w)).all(), (rows, kind)
+
+
+@pytest.mark.parametrize("path", NATIVE_PATHS)
+def test_a_rows_result_is_the_same_whatever_rows_are_beside_it(path, monkeypatch):
+    require(path)
+    for kind in (T.Q4_1, T.Q8_0, T.Q4_K):
+        codes = codes_of(random_blocks(kind, 50, 256, seed=4), kind, 256)
+        x = torch.randn(64, 256, generator=torch.Generator().manual_seed(5))
+        alone = torch.cat([product(codes, x[i : i + 1], path, monkeypatch) for i in range(64)])
+        for rows in (2, 5, 9, 16, 33, 64):
+            assert torch.equal(product(codes, x[:rows], path, monkeypatch), alone[:rows])
+
+
+@pytest.mark.parametrize("path", NATIVE_PATHS)
+def test_the_paths_agree_with_each_other_up_to_float_rounding(path, monkeypatch):
+    """Both paths sum the same integers; only the float32 sums' order may differ."""
+    require(path)
+    codes = codes_of(random_blocks(T.Q4_1, 33, 512, seed=6), T.Q4_1, 512)
+    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(7))
+    got = product(codes, x, path, monkeypatch)
+    monkeypatch.setenv(native.QUANT_PATH_ENV, "auto")
+    best = native.qlinear(x, pack(codes), codes.shape, codes.bits, codes.half)
+    torch.testing.assert_close(got, best, rtol=1e-5, atol=1e-5)
+
+
+def test_an_embeddings_rows_come_back_exactly(monkeypatch):
+    if not NATIVE_PATHS:
+        pytest.skip("the native kernels did not build")
+    for kind in (T.Q8_0, T.Q4_K, T.Q5_0):
+        codes = codes_of(random_blocks(kind, 37, 256, seed=8), kind, 256)
+        ids = torch.tensor([[0, 36], [17, 17]])
+        rows = native.qrows(ids, pack(codes), codes.shape, codes.bits, codes.half)
+        assert torch.equal(rows, codes.dequantize()[ids])
+
+
+def test_stacked_weights_of_two_forms_keep_their_values():
+    """q|k|v of a 4-bit and an 8-bit type, float16 and float32 scales: widened, exactly."""
+    a = codes_of(random_blocks(T.Q4_K, 16, 256, seed=9), T.Q4_K, 256)
+    b = codes_of(random_blocks(T.Q8_0, 8, 256, seed=10), T.Q8_0, 256)
+    both = cat([a, b])
+    assert (both.bits, both.half) == (8, False)
+    assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+
+
+def test_a_forced_path_the_cpu_lacks_is_refused(monkeypatch):
+    monkeypatch.setenv(native.QUANT_PATH_ENV, "sse")
+    with pytest.raises(ValueError, match="choose auto or one of"):
+        native.quant_path()
+    monkeypatch.setenv(native.QUANT_PATH_ENV, "torch")
+    assert native.quant_path() == "torch"
+
+
+# ---------------------------------------------------------------- whole models
+
+
+def forward_logits(model, ids: list[int], paged: bool = False) -> torch.Tensor:
+    """Logits of every position: through dense causal attention, or (paged) through the
+    engine's paged cache, where a forward of a few tokens runs the native decoder."""
+    tokens = torch.tensor(ids)
+    with torch.inference_mode():
+        if paged:
+            attn, positions = paged_attention(model.config, 1, 0, len(ids))
+        else:
+            attn, positions = CausalAttention(1, len(ids)), torch.arange(len(ids))
+        hidden, _ = model(tokens, positions, attn)
+        return model.logits(hidden)
+
+
+@pytest.fixture(scope="module")
+def quantized_and_dequantized(tiny_quant_target):
+    models = [load_model(tiny_quant_target, quantized=q) for q in (True, False)]
+    for model in models:
+        prepare_for_inference(model)
+    return models
+
+
+def test_a_quantized_file_serves_at_its_types(quantized_and_dequantized):
+    quantized, dequantized = quantized_and_dequantized
+    products = [m for m in quantized.modules() if isinstance(m, QuantLinear)]
+    assert len(products) == 4 * quantized.config.num_layers + 2  # and the embedding's table
+    assert not any(isinstance(m, QuantLinear) for m in dequantized.modules())
+    assert held_bytes(quantized) < held_bytes(dequantized) / 3
+
+
+def test_a_quantized_file_gives_the_logits_of_its_dequantized_weights(quantized_and_dequantized):
+    """The activations' int8 rounding is all that differs: logits within a few percent of
+    their scale, and the same greedy choices (the tiny model's top-2 gaps are wide)."""
+    quantized, dequantized = quantized_and_dequantized
+    ids = [5, 17, 33, 2, 9, 100, 41, 7, 250, 3]
+    want = forward_logits(dequantized, ids)
+    for paged in (False, True):
+        got = forward_logits(quantized, ids, paged)
+        assert (got - want).abs().max() < 0.03 * want.abs().max()
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_the_native_decoder_runs_a_quantized_model(quantized_and_dequantized):
+    """A few tokens through the paged cache take the native decoder, whose products are the
+    same kernels the layer-by-layer path calls."""
+    quantized, _ = quantized_and_dequantized
+    assert quantized.decoder is not None
+    ids = [5, 17, 33, 2, 9]
+    torch.testing.assert_close(
+        forward_logits(quantized, ids, paged=True),
+        forward_logits(quantized, ids),
+        atol=2e-4,
+        rtol=0,
+    )
+
+
+def test_the_torch_path_serves_the_same_model(tiny_quant_target, monkeypatch):
+    """Forced to torch's path, the weights stay codes and each product dequantizes: the
+    reference the kernels approximate."""
+    monkeypatch.setenv(native.QUANT_PATH_ENV, "torch")
+    model = load_model(tiny_quant_target, quantized=True)
+    prepare_for_inference(model)
+    dequantized = load_model(tiny_quant_target)
+    prepare_for_inference(dequantized)
+    assert all(m.packed is None for m in model.modules() if isinstance(m, QuantLinear))
+    ids = [5, 17, 33, 2, 9, 100]
+    torch.testing.assert_close(
+        forward_logits(model, ids), forward_logits(dequantized, ids), atol=1e-4, rtol=1e-4
+    )
+
+
+# ---------------------------------------------------------------- files we cannot serve
+
+
+def test_a_truncated_or_corrupt_file_is_refused_by_name(tiny_quant_target, tmp_path):
+    data = tiny_quant_target.read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(data[: len(data) - 1000])
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(data[:8] + bytes(range(256)) * 4 + data[8 + 1024 :])
+    for path in (truncated, corrupt):
+        with pytest.raises(CheckpointError, match=str(path.name)):
+            load_model(path, quantized=True)
+
+
+def test_a_tensor_of_a_type_we_cannot_read_is_refused_by_name(tiny_target, tmp_path):
+    path = write_gguf(tiny_target, tmp_path / "q8_1.gguf", QUANT_MIX | {"blk.1.ffn_down": T.Q8_1})
+    with pytest.raises(CheckpointError, match=r"q8_1.gguf: tensor blk.1.ffn_down.weight .*Q8_1"):
+        load_model(path, quantized=True)
+
+
+def test_a_type_without_codes_is_served_dequantized_and_named(tiny_target, tmp_path):
+    path = write_gguf(tiny_target, tmp_path / "iq4.gguf", QUANT_MIX | {"blk.0.ffn_down": T.IQ4_NL})
+    assert served_dequantized(path) == ["blk.0.ffn_down.weight (IQ4_NL)"]
+    model = load_model(path, quantized=True)
+    assert not isinstance(model.layers[0].mlp.down_proj, QuantLinear)
+    assert isinstance(model.layers[1].mlp.down_proj, QuantLinear)
