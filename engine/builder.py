@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from engine.config import EngineConfig, SpecConfig
 from engine.cost import CostModel, build_cost_model
@@ -26,12 +27,13 @@ from engine.scheduler import Scheduler
 from kv.cache import KVCache
 from kv.pages import PageAllocator
 from kv.prefix import PrefixIndex
+from models import native
 from models.attention import AttentionBackend, InvariantAttention, TorchPagedAttention
 from models.deepseek import MoE
 from models.eagle import load_eagle_head
 from models.flashinfer_backend import FLASHINFER_HEAD_DIMS, FlashInferBackend
-from models.gguf import packaged_smollm2
-from models.linear import held_bytes
+from models.gguf import is_gguf, packaged_smollm2, served_dequantized
+from models.linear import FusedLinear, QuantLinear, held_bytes
 from models.llama import LlamaModel, prepare_for_inference
 from models.loader import load_model, read_config
 from models.mtp import load_mtp_head
@@ -127,6 +129,19 @@ class Built:
     stages: DeviceStages
     cost: CostModel | None  # chooses each step's k; None: k is fixed
     memory: dict[str, int]  # bytes held: "weights" (target and drafter), "kv_cache" (theirs)
+    products: str  # the target's linears: "quantized/<path>" (quant.c), "float32", "int8", ...
+    dequantized: list[str]  # a GGUF target's quantized tensors served dequantized, "name (type)"
+
+
+def products_of(model: nn.Module) -> str:
+    """What the model's linears are multiplied as: its quantized types by a kernel path of
+    quant.c (models/native.py: quant_path), weight-only int8, or its float dtype."""
+    kinds = {type(m) for m in model.modules()}
+    if QuantLinear in kinds:
+        return f"quantized/{native.quant_path()}"
+    if any(isinstance(m, FusedLinear) and m.scales is not None for m in model.modules()):
+        return "int8"
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 class Builder:
@@ -191,7 +206,15 @@ class Builder:
             stages=stages,
             cost=cost,
             memory=dict(self.memory),
+            products=products_of(model),
+            dequantized=served_dequantized(model_dir)
+            if config.quantized and is_gguf(model_dir)
+            else [],
         )
+
+    def quantized(self, model_dir: Path) -> bool:
+        """Whether the target is a GGUF file served at its own types."""
+        return self.config.quantized and is_gguf(model_dir)
 
     def attention(self, head_dim: int) -> AttentionBackend:
         """The backend every forward runs; FlashInfer's kernels are built for some head sizes

@@ -79,6 +79,12 @@ class AsyncEngine:
         log.info(
             "holding %s", ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in built.memory.items())
         )
+        self.metrics.products.labels(products=built.products).set(1)
+        log.info("the target's products: %s", built.products)
+        if built.dequantized:
+            log.info(
+                "served dequantized (no kernel for their types): %s", ", ".join(built.dequantized)
+            )
         self.publisher = Publisher(
             self.tokenizer,
             self.max_model_len,

@@ -70,6 +70,11 @@ class EngineMetrics:
             "tandem_memory_bytes", "Bytes held: the weights, the KV cache (target and drafter).",
             ["kind"],
         )  # fmt: skip
+        self.products = r.gauge(
+            "tandem_products",
+            "1 for how the target's linears are multiplied (quantized/<kernel path>, a dtype).",
+            ["products"],
+        )
         self.prompt_tokens = r.counter("tandem_prompt_tokens_total", "Prompt tokens prefilled.")
         self.generation_tokens = r.counter("tandem_generation_tokens_total", "Tokens generated.")
         self.requests_finished = r.counter(

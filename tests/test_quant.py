@@ -21,6 +21,7 @@ from models.linear import QuantLinear, held_bytes
 from models.llama import prepare_for_inference
 from models.loader import load_model
 from models.quant import CODE_TYPES, QK, Codes, cat, codes_of, pack
+from tests.engine_util import make_config, running
 from tests.tiny import QUANT_MIX, write_gguf
 
 T = gguf.GGMLQuantizationType
@@ -262,3 +263,17 @@ def test_a_type_without_codes_is_served_dequantized_and_named(tiny_target, tmp_p
     model = load_model(path, quantized=True)
     assert not isinstance(model.layers[0].mlp.down_proj, QuantLinear)
     assert isinstance(model.layers[1].mlp.down_proj, QuantLinear)
+
+
+async def test_the_start_log_and_metrics_say_how_the_weights_are_served(
+    tiny_target, tmp_path, caplog
+):
+    path = write_gguf(tiny_target, tmp_path / "iq4.gguf", QUANT_MIX | {"blk.0.ffn_down": T.IQ4_NL})
+    caplog.set_level("INFO", logger="tandem.engine")
+    async with running(make_config(path)) as engine:
+        products = f"quantized/{native.quant_path()}"
+        assert engine.metrics.registry.value("tandem_products", products=products) == 1
+    assert f"the target's products: {products}" in caplog.text
+    assert "served dequantized (no kernel for their types): blk.0.ffn_down.weight (IQ4_NL)" in (
+        caplog.text
+    )
