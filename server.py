@@ -43,6 +43,7 @@ from api import (
 )
 from engine.config import (
     ATTENTION_CHOICES,
+    KV_DTYPES,
     MODEL_DRAFTERS,
     SPECULATIVE_METHODS,
     TREE_SHAPES,
@@ -565,6 +566,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a MoE target's expert layers run each forward's tokens in this many halves",
     )
     parser.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPES,
+        default=kv.dtype,
+        help="the KV cache's dtype; auto: float16 on the CPU (half of float32's bytes each "
+        "attention reads), the model's dtype on CUDA",
+    )
+    parser.add_argument(
         "--weights",
         choices=WEIGHTS,
         default=engine.weights,
@@ -619,7 +627,9 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, S
             adaptive_k=not a.fixed_k,
             calibration=a.calibration,
         )
-        kv = KVConfig(a.page_size, a.num_pages, prefix_cache=not a.no_prefix_cache)
+        kv = KVConfig(
+            a.page_size, a.num_pages, prefix_cache=not a.no_prefix_cache, dtype=a.kv_dtype
+        )
         config = EngineConfig(
             model=model,
             spec=spec,

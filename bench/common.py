@@ -91,13 +91,14 @@ def forward_call(
     context: int,
     q_len: int,
     last_logits: bool = False,
+    kv_dtype: torch.dtype = torch.float32,
 ) -> Callable[[], object]:
     """One forward plus logits of `module` over q_len tokens a sequence for `batch` sequences
     with `context` tokens of KV each, ready to call: logits of every token, or (last_logits)
     of each sequence's last. A LlamaModel reads token ids; a head also reads the target's
     hidden states (random here: the cost is the same)."""
     cfg: Any = module.config
-    attn, positions = paged_attention(cfg, batch, context, q_len)
+    attn, positions = paged_attention(cfg, batch, context, q_len, kv_dtype)
     ids = torch.randint(vocab, (batch * q_len,))  # [T]
     rows = slice(q_len - 1, None, q_len) if last_logits else slice(None)  # of the [T] tokens
     if isinstance(module, LlamaModel | DeepseekModel):
@@ -107,7 +108,7 @@ def forward_call(
 
 
 def paged_attention(
-    cfg: Any, batch: int, context: int, q_len: int
+    cfg: Any, batch: int, context: int, q_len: int, kv_dtype: torch.dtype = torch.float32
 ) -> tuple[TorchPagedAttention, torch.Tensor]:
     """Attention for q_len new tokens of each of `batch` sequences, at positions context ..
     context + q_len - 1, over a fresh paged cache for a model of `cfg`; also the positions
@@ -117,7 +118,8 @@ def paged_attention(
     tables = [PageTable(PAGE_SIZE) for _ in range(batch)]
     for table in tables:
         table.grow(allocator, end)
-    cache = KVCache(cfg.num_layers, allocator.num_pages, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim)
+    cache = KVCache(cfg.num_layers, allocator.num_pages, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim,
+                    kv_dtype, queries=torch.float32)  # fmt: skip
     csr = build_csr(tables, [end] * batch, [q_len] * batch)
     positions = torch.arange(context, end).repeat(batch)  # [T]
     meta = paged_metadata(

@@ -1,7 +1,9 @@
 """Forwards of a real checkpoint, by rows, beside their floors.
 
     python -m bench.forward [--model smollm2|demo|DIR] [--context 512] [--rows 1 5 9 16 32]
-        [--prefill 2000] [--repeats 15] [--weights auto|float32|int8] [--out F.json]
+        [--prefill 2000] [--repeats 15] [--weights auto|float32|int8]
+        [--kv-dtype auto|float32|float16]
+        [--out F.json]
 
 A forward of R rows is the target's over one sequence's paged KV cache of `context` tokens,
 every row's logits computed: one row is a decode, k + 1 a verify, a tree's nodes a tree
@@ -22,7 +24,7 @@ import torch
 
 from bench.common import forward_call, median_seconds, read_bandwidth, text_table, timed, write_json
 from engine.builder import cache_dir, model_path
-from engine.config import WEIGHTS, EngineConfig
+from engine.config import KV_DTYPES, WEIGHTS, EngineConfig, KVConfig
 from models import native
 from models.linear import FusedLinear, QuantLinear, held_bytes
 from models.llama import LlamaModel, prepare_for_inference
@@ -71,17 +73,19 @@ def product_flops(quantized: bool, repeats: int = 5) -> float:
 
 
 def measure(model: str, context: int, rows: list[int], prefill: int, repeats: int,
-            weights: str = "auto") -> dict:  # fmt: skip
+            weights: str = "auto", kv_dtype: str = "auto") -> dict:  # fmt: skip
     torch.manual_seed(0)
-    config = EngineConfig(None if model == "demo" else model, weights=weights)
+    model_name = None if model == "demo" else model
+    config = EngineConfig(model_name, kv=KVConfig(dtype=kv_dtype), weights=weights)
+    kv = getattr(torch, config.kv_torch_dtype)
     with torch.inference_mode():
         path = model_path(config.model)
         dtype = getattr(torch, config.torch_dtype)
         target = load_model(path, dtype, torch.device("cpu"), cache_dir(), None, config.quantized)
         prepare_for_inference(target, int8=weights == "int8")
         vocab = target.config.vocab_size
-        prefill_s = timed(forward_call(target, vocab, 1, 0, prefill, last_logits=True))
-        calls = {r: forward_call(target, vocab, 1, context, r) for r in rows}
+        prefill_s = timed(forward_call(target, vocab, 1, 0, prefill, True, kv))
+        calls = {r: forward_call(target, vocab, 1, context, r, kv_dtype=kv) for r in rows}
         for fn in calls.values():
             fn()
         times: dict[int, list[float]] = {r: [] for r in rows}
@@ -90,11 +94,12 @@ def measure(model: str, context: int, rows: list[int], prefill: int, repeats: in
                 times[r].append(timed(fn))
     quantized = any(isinstance(m, QuantLinear) for m in target.modules())
     bandwidth, flops = read_bandwidth(), product_flops(quantized)
-    streamed = streamed_bytes(target) + kv_bytes(target, context)
+    kv_read = kv_bytes(target, context, kv.itemsize)
+    streamed = streamed_bytes(target) + kv_read
     per_row = 2 * linear_weights(target)
     result = {"model": model, "weights": weights, "context": context,
               "quantized_path": native.quant_path() if quantized else None,
-              "weight_bytes": streamed_bytes(target), "kv_bytes": kv_bytes(target, context),
+              "weight_bytes": streamed_bytes(target), "kv_bytes": kv_read, "kv_dtype": str(kv),
               "bandwidth_bytes_per_s": bandwidth, "flop_per_s": flops,
               "prefill_tokens": prefill, "prefill_ms": prefill_s * 1e3, "rows": {}}  # fmt: skip
     for r in rows:
@@ -112,10 +117,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill", type=int, default=2000, help="tokens of the timed prefill")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--weights", choices=WEIGHTS, default="auto", help="server.py's --weights")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="server.py's")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
-    r = measure(args.model, args.context, args.rows, args.prefill, args.repeats, args.weights)
+    r = measure(args.model, args.context, args.rows, args.prefill, args.repeats, args.weights,
+                args.kv_dtype)  # fmt: skip
     print(
         f"weights {r['weight_bytes'] / 1e6:.0f} MB (path {r['quantized_path'] or 'float'}), "
         f"KV {r['kv_bytes'] / 1e6:.0f} MB, {r['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "

@@ -152,6 +152,7 @@ class Builder:
         self.shard = group.shard if group is not None else None
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.torch_dtype)
+        self.kv_dtype = getattr(torch, config.kv_torch_dtype)
         self.memory = {"weights": 0, "kv_cache": 0}  # what prepare and cache_for made
 
     def build(self) -> Built:
@@ -254,8 +255,9 @@ class Builder:
             page_size,
             cfg.num_kv_heads,
             cfg.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
+            queries=self.dtype,
         )
         self.memory["kv_cache"] += cache.data.numel() * cache.data.element_size()
         return cache
@@ -308,7 +310,7 @@ class Builder:
         """Pages the KV budget holds; `shared`: half of it is the drafter's cache."""
         cfg, kv = model.config, self.config.kv
         per_page = KVCache.bytes_per_page(
-            cfg.num_layers, kv.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype
+            cfg.num_layers, kv.page_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype
         )
         return max(1, kv.memory_bytes // ((1 + shared) * per_page))
 
@@ -335,7 +337,7 @@ class Builder:
             return LeaderDrafts()  # the draft model runs on the leader only
         if spec.method == "draft":
             directory = Path(spec.draft) if spec.draft else DEMO_DIR / "draft"
-            model = load_model(directory, self.dtype, self.device)
+            model = load_model(directory, self.dtype, self.device, quantized=self.config.quantized)
             self.prepare(model)
             if model.config.vocab_size != target.config.vocab_size:
                 raise ValueError(

@@ -28,6 +28,9 @@ FIXED_TREE = (
 )
 
 
+KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
 @dataclass(frozen=True)
 class KVConfig:
     page_size: int = 16  # FlashInfer's usual page; small enough that rollback wastes little
@@ -37,8 +40,13 @@ class KVConfig:
     # full pages found again by their tokens and every token before (kv/prefix.py), shared
     # between requests
     prefix_cache: bool = True
+    # KV_DTYPES; "auto": float16 for a float32 model on the CPU (as llama.cpp keeps it: half
+    # the bytes every attention reads, converted by F16C's instructions), else the model's
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.dtype not in KV_DTYPES:
+            raise ValueError(f"unknown KV dtype {self.dtype!r}; choose from {KV_DTYPES}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be at least 1, got {self.page_size}")
         if self.num_pages < 0:
@@ -253,6 +261,9 @@ class EngineConfig:
             raise ValueError(f"unknown weights {self.weights!r}; choose from {WEIGHTS}")
         if self.weights == "int8" and (self.batch_invariant or self.device != "cpu"):
             raise ValueError("--weights int8 runs on the CPU, without --batch-invariant")
+        kv = self.kv.dtype
+        if kv not in ("auto", self.torch_dtype) and self.torch_dtype != "float32":
+            raise ValueError(f"a {self.torch_dtype} model keeps its KV cache in {self.torch_dtype}")
         named = self.weights in ("float32", "bfloat16")
         if named and self.dtype not in ("auto", self.weights):
             raise ValueError(f"--weights {self.weights} with --dtype {self.dtype}: pick one")
@@ -270,6 +281,14 @@ class EngineConfig:
         if self.weights in ("float32", "bfloat16"):
             return self.weights
         return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+    @property
+    def kv_torch_dtype(self) -> str:
+        """The KV cache's dtype's name, auto resolved by the device."""
+        if self.kv.dtype != "auto":
+            return self.kv.dtype
+        float32_cpu = self.device == "cpu" and self.torch_dtype == "float32"
+        return "float16" if float32_cpu else self.torch_dtype
 
     @property
     def quantized(self) -> bool:

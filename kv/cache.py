@@ -22,7 +22,10 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        queries: torch.dtype | None = None,
     ):
+        """`queries`: the dtype of the queries that attend over it (None: `dtype`)."""
+        self.queries = queries or dtype
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

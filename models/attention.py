@@ -53,7 +53,8 @@ class TorchPagedAttention:
         ps = cache.page_size
         write = cache.key_rows(meta.slot_mapping)  # [T]
         self.kernel: native.PagedAttention | None = None
-        if meta.max_q <= self.native_max_q and native.attention_usable(cache.data, cache.head_dim):
+        usable = native.attention_usable(cache.data, cache.head_dim, cache.queries)
+        if meta.max_q <= self.native_max_q and usable:
             self.kernel = native.PagedAttention(
                 ps, write, self._key_rows(meta, cache), meta.kv_lens, meta.q_index,
                 meta.q_positions, meta.mask,

@@ -475,19 +475,69 @@ typedef struct {
     float *out;             /* [T, hq, dim] */
     const float *q;         /* [T, hq, dim], rows `q_stride` floats apart */
     const float *k, *v;     /* [T, hkv, dim], rows `k_stride` and `v_stride` floats apart */
-    float *store;           /* one layer's rows */
+    void *store;            /* one layer's rows, float32 or (half) float16 */
     const int64_t *write_rows, *read_rows, *kv_lens, *q_index, *q_positions;
     const uint8_t *mask;    /* NULL: causal by position */
     int64_t tokens, seqs, qmax, lmax, hq, hkv, dim, page_size, q_stride, k_stride, v_stride;
     float scale;
+    int half;
 } Paged;
+
+/* ---- a float16 store: rows converted as they are written, and as an item reads them (into
+ * its scratch, where the float32 loops below read them); F16C's conversions round to nearest */
+
+static void to_half(uint16_t *out, const float *x, int64_t n) {
+#ifdef __F16C__
+    for (int64_t i = 0; i < n; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#else
+    for (int64_t i = 0; i < n; i++) out[i] = _cvtss_sh(x[i], 0);
+#endif
+}
+
+static void from_half(float *out, const uint16_t *x, int64_t n) {
+#ifdef __F16C__
+    for (int64_t i = 0; i < n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))));
+#else
+    for (int64_t i = 0; i < n; i++) out[i] = _cvtsh_ss(x[i]);
+#endif
+}
+
+/* row r of the store's element type, `offset` elements in */
+static void *store_at(const Paged *p, int64_t r, int64_t offset) {
+    int64_t at = r * p->hkv * p->dim + offset;
+    return p->half ? (void *)((uint16_t *)p->store + at) : (void *)((float *)p->store + at);
+}
 
 static void write_kv(const Paged *p) {
     int64_t row = p->hkv * p->dim;
     for (int64_t t = 0; t < p->tokens; t++) {
-        float *key = p->store + p->write_rows[t] * row;
-        memcpy(key, p->k + t * p->k_stride, row * sizeof(float));
-        memcpy(key + p->page_size * row, p->v + t * p->v_stride, row * sizeof(float));
+        int64_t r = p->write_rows[t];
+        const float *k = p->k + t * p->k_stride, *v = p->v + t * p->v_stride;
+        if (p->half) {
+            to_half(store_at(p, r, 0), k, row);
+            to_half(store_at(p, r + p->page_size, 0), v, row);
+        } else {
+            memcpy(store_at(p, r, 0), k, row * sizeof(float));
+            memcpy(store_at(p, r + p->page_size, 0), v, row * sizeof(float));
+        }
+    }
+}
+
+/* the chunk's key (or value) rows of kv head h as float32 pointers: into the store, or (a
+ * float16 store) into `scratch` [n, dim], converted */
+static void chunk_rows(const Paged *p, const int64_t *rows, int64_t n, int64_t shift, int64_t h,
+                       float *scratch, const float **out) {
+    for (int64_t j = 0; j < n; j++) {
+        void *at = store_at(p, rows[j] + shift, h * p->dim);
+        if (p->half) {
+            from_half(scratch + j * p->dim, at, p->dim);
+            out[j] = scratch + j * p->dim;
+        } else {
+            out[j] = at;
+        }
     }
 }
 
@@ -581,16 +631,17 @@ static void weigh_pair(const float *const *values, int64_t n, int64_t dim, const
     }
 }
 
-/* one item: rows (t, g) for t in t0..t1, g in the group; scores: [rows, CHUNK] scratch */
-static void attend_chunk(const Paged *p, const Item *it, float *scores) {
-    int64_t group = p->hq / p->hkv, dim = p->dim, row = p->hkv * dim, vecs = dim / 16;
+/* one item: rows (t, g) for t in t0..t1, g in the group; scores: [rows, CHUNK] scratch;
+ * rows_scratch: [CHUNK, dim] for a float16 store's rows */
+static void attend_chunk(const Paged *p, const Item *it, float *scores, float *rows_scratch) {
+    int64_t group = p->hq / p->hkv, dim = p->dim, vecs = dim / 16;
     int64_t b = it->b, h = it->h, j0 = it->j0, n = it->j1 - it->j0;
     const int64_t *rows = p->read_rows + b * p->lmax + j0;
     int64_t nrows = (it->t1 - it->t0) * group, n16 = (n + 15) / 16 * 16;
     /* the chunk's keys (past its end: its last key again, then unseen) */
     const float *keys[CHUNK];
-    for (int64_t j = 0; j < n16; j++)
-        keys[j] = p->store + rows[j < n ? j : n - 1] * row + h * dim;
+    chunk_rows(p, rows, n, 0, h, rows_scratch, keys);
+    for (int64_t j = n; j < n16; j++) keys[j] = keys[n - 1];
     /* each row's scores */
     for (int64_t t = it->t0; t < it->t1; t++) {
         int64_t i = p->q_index[t] - b * p->qmax, pos = p->q_positions[b * p->qmax + i];
@@ -630,8 +681,8 @@ static void attend_chunk(const Paged *p, const Item *it, float *scores) {
     }
     /* each row's exponential-weighted values, in key order; two rows at once where both saw
      * some key and the head splits into PAIR_FLOATS (each value read once for both) */
-    const float **values = keys; /* the keys' pointers are done with */
-    for (int64_t j = 0; j < n; j++) values[j] = p->store + (rows[j] + p->page_size) * row + h * dim;
+    const float **values = keys; /* the keys' pointers (and their scratch) are done with */
+    chunk_rows(p, rows, n, p->page_size, h, rows_scratch, values);
     for (int64_t r = 0; r < nrows;) {
         float *part = it->part + r * (dim + 2), *next = part + dim + 2;
         const float *w = scores + r * CHUNK;
@@ -687,14 +738,16 @@ static int paged_attend(const Paged *pp, int threads) {
 #pragma omp parallel num_threads(threads)
     {
         float *scores = malloc(sizeof(float) * p.qmax * group * CHUNK);
-        if (!scores) {
+        float *rows_scratch = p.half ? malloc(sizeof(float) * CHUNK * dim) : NULL;
+        if (!scores || (p.half && !rows_scratch)) {
 #pragma omp atomic write
             failed = 1;
         } else {
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < n_items; i++) attend_chunk(&p, &items[i], scores);
+            for (int64_t i = 0; i < n_items; i++)
+                attend_chunk(&p, &items[i], scores, rows_scratch);
         }
-        free(scores);
+        free(scores), free(rows_scratch);
     }
     /* merge each row's chunks in key order */
     for (int64_t t0 = 0, t1; !failed && t0 < p.tokens; t0 = t1) {
@@ -742,16 +795,17 @@ static int paged_check(const Paged *p) {
 
 /* paged_attention(out, q, k, v, store, write_rows, read_rows, kv_lens, q_index, q_positions,
  *                 mask, tokens, seqs, qmax, lmax, hq, hkv, dim, page_size, q_stride,
- *                 k_stride, v_stride, scale, threads) */
+ *                 k_stride, v_stride, scale, threads, half): the store float32, or
+ * float16 where `half` */
 static PyObject *py_paged_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t a[24];
-    if (ints(args, nargs, 24, a)) return NULL;
+    int64_t a[25];
+    if (ints(args, nargs, 25, a)) return NULL;
     Paged p = {
         PTR(float, a[0]), PTR(const float, a[1]), PTR(const float, a[2]), PTR(const float, a[3]),
-        PTR(float, a[4]), PTR(const int64_t, a[5]), PTR(const int64_t, a[6]),
+        PTR(void, a[4]), PTR(const int64_t, a[5]), PTR(const int64_t, a[6]),
         PTR(const int64_t, a[7]), PTR(const int64_t, a[8]), PTR(const int64_t, a[9]),
         PTR(const uint8_t, a[10]), a[11], a[12], a[13], a[14], a[15], a[16], a[17], a[18],
-        a[19], a[20], a[21], (float)as_double(a[22]),
+        a[19], a[20], a[21], (float)as_double(a[22]), (int)a[24],
     };
     if (paged_check(&p)) return NULL;
     int status;
@@ -806,21 +860,23 @@ static int apply(Linear l, const float *x, float *y, int64_t rows, int64_t in, i
 }
 
 /* decode_layers(x, table, layers, tokens, hidden, hq, hkv, dim, inter, eps, cos, sin,
- *               store_base, layer_floats, write_rows, read_rows, kv_lens, q_index,
- *               q_positions, mask, seqs, qmax, lmax, page_size, aux_out, aux_every, threads):
+ *               store_base, layer_elements, write_rows, read_rows, kv_lens, q_index,
+ *               q_positions, mask, seqs, qmax, lmax, page_size, aux_out, aux_every, threads,
+ *               half):
  * x [tokens, hidden] is the residual stream, updated in place; after layer l with
- * aux_every[l] != 0, x is copied to the next [tokens, hidden] of aux_out. */
+ * aux_every[l] != 0, x is copied to the next [tokens, hidden] of aux_out. The cache is
+ * float32, or float16 where `half`. */
 static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t a[27];
-    if (ints(args, nargs, 27, a)) return NULL;
+    int64_t a[28];
+    if (ints(args, nargs, 28, a)) return NULL;
     float *x = PTR(float, a[0]);
     const int64_t *table = PTR(const int64_t, a[1]);
     int64_t layers = a[2], tokens = a[3], hidden = a[4], hq = a[5], hkv = a[6], dim = a[7];
     int64_t inter = a[8];
     float eps = (float)as_double(a[9]);
     const float *cos = PTR(const float, a[10]), *sin = PTR(const float, a[11]);
-    float *store_base = PTR(float, a[12]);
-    int64_t layer_floats = a[13];
+    char *store_base = PTR(char, a[12]);
+    int64_t layer_bytes = a[13] * (a[27] ? 2 : 4);
     float *aux_out = PTR(float, a[24]);
     const uint8_t *aux_every = PTR(const uint8_t, a[25]);
     int threads = (int)a[26];
@@ -828,7 +884,7 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
     Paged p = {NULL, NULL, NULL, NULL, NULL, PTR(const int64_t, a[14]), PTR(const int64_t, a[15]),
                PTR(const int64_t, a[16]), PTR(const int64_t, a[17]), PTR(const int64_t, a[18]),
                PTR(const uint8_t, a[19]), tokens, a[20], a[21], a[22], hq, hkv, dim, a[23],
-               qkv_size, qkv_size, qkv_size, 1.0f / sqrtf((float)dim)};
+               qkv_size, qkv_size, qkv_size, 1.0f / sqrtf((float)dim), (int)a[27]};
     if (paged_check(&p)) return NULL;
     if (dim > 1024) {
         PyErr_SetString(PyExc_ValueError, "decode_layers: head_dim must be at most 1024");
@@ -849,7 +905,7 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
         status |= apply(linear_of(w, QKV), h, qkv, n, hidden, qkv_size, threads);
         rope_rows(qkv, cos, sin, n, hq + hkv, dim, qkv_size);
         p.out = att, p.q = qkv, p.k = qkv + hq * dim, p.v = qkv + (hq + hkv) * dim;
-        p.store = store_base + w[CACHE_LAYER] * layer_floats;
+        p.store = store_base + w[CACHE_LAYER] * layer_bytes;
         status |= paged_attend(&p, threads);
         status |= apply(linear_of(w, O), att, y, n, hq * dim, hidden, threads);
         for (int64_t i = 0; i < n * hidden; i++) x[i] += y[i];

@@ -53,10 +53,14 @@ def usable(*tensors: torch.Tensor) -> bool:
     return available() and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
 
-def attention_usable(cache_data: torch.Tensor, head_dim: int) -> bool:
-    """Whether PagedAttention runs over this cache: float32 on the CPU, whole 16-float
-    vectors a head."""
-    return usable(cache_data) and head_dim % 16 == 0
+KV_DTYPES = (torch.float32, torch.float16)  # what the native attention reads
+
+
+def attention_usable(cache_data: torch.Tensor, head_dim: int, queries: torch.dtype) -> bool:
+    """Whether PagedAttention runs over this cache: float32 or float16 on the CPU, float32
+    queries, whole 16-float vectors a head."""
+    on_cpu = cache_data.device.type == "cpu" and cache_data.dtype in KV_DTYPES
+    return available() and on_cpu and queries == torch.float32 and head_dim % 16 == 0
 
 
 def decoder_usable(head_dim: int) -> bool:
@@ -190,11 +194,11 @@ class PagedAttention:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: torch.Tensor
     ) -> torch.Tensor:
-        """q [T, Hq, D], k and v [T, Hkv, D] (heads contiguous within a row), store
-        [pages * 2 * page_size, Hkv, D] contiguous; [T, Hq, D]."""
+        """q [T, Hq, D], k and v [T, Hkv, D] (heads contiguous within a row) float32, store
+        [pages * 2 * page_size, Hkv, D] contiguous, float32 or float16; [T, Hq, D]."""
         tokens, hq, dim = q.shape
-        if not (q.dtype == k.dtype == v.dtype == store.dtype == torch.float32):
-            raise ValueError("paged attention: float32 only")
+        if not (q.dtype == k.dtype == v.dtype == torch.float32 and store.dtype in KV_DTYPES):
+            raise ValueError("paged attention: float32 queries, a float32 or float16 store")
         if not (_rows_ok(q) and _rows_ok(k) and _rows_ok(v)):
             raise ValueError("paged attention: each row must hold its heads contiguously")
         if not store.is_contiguous():
@@ -204,7 +208,7 @@ class PagedAttention:
             out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), store.data_ptr(),
             *self.pointers, tokens, self.seqs, self.qmax, self.lmax, hq, k.shape[1], dim,
             self.page_size, q.stride(0), k.stride(0), v.stride(0), dim**-0.5,
-            torch.get_num_threads(),
+            torch.get_num_threads(), store.dtype == torch.float16,
         )  # fmt: skip
         return out
 
@@ -218,7 +222,7 @@ def decode_layers(
     cos: torch.Tensor,  # [T, 1, D]
     sin: torch.Tensor,
     attention: PagedAttention,  # this forward's, over `store`
-    store: torch.Tensor,  # the cache [layers, pages, 2, page_size, Hkv, D], contiguous
+    store: torch.Tensor,  # the cache [layers, pages, 2, page_size, Hkv, D], contiguous, f32/f16
     aux_out: torch.Tensor,  # [sum(aux_every), T, H]
     aux_every: torch.Tensor,  # [layers] uint8
 ) -> None:
@@ -231,6 +235,7 @@ def decode_layers(
         inter, eps, cos.data_ptr(), sin.data_ptr(), store.data_ptr(), store.stride(0),
         *attention.pointers, attention.seqs, attention.qmax, attention.lmax,
         attention.page_size, aux_out.data_ptr(), aux_every.data_ptr(), torch.get_num_threads(),
+        store.dtype == torch.float16,
     )  # fmt: skip
 
 

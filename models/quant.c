@@ -135,6 +135,9 @@ static void store_block(const Job *j, int64_t row, int64_t ob, const float *lane
 
 #define VNNI_ATTR __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 #define VNNI_TILE 8
+#ifndef PREFETCH
+#define PREFETCH 1024
+#endif
 
 VNNI_ATTR static inline void vnni_scales(const QWeight *w, const uint8_t *s, __m512 *d,
                                          __m512 *m) {
@@ -169,15 +172,16 @@ VNNI_ATTR static inline void vnni_scales(const QWeight *w, const uint8_t *s, __m
             vnni_scales(w, p + BITS * 64, &d, &m);                                            \
             UNROLL for (int r = 0; r < ROWS; r++) {                                           \
                 const int8_t *xr = j->xq + (m0 + r) * w->in + kb * QK;                        \
-                __m512i s = _mm512_setzero_si512();                                           \
-                UNROLL for (int g = 0; g < 8; g++) {                                          \
+                __m512i s[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};              \
+                UNROLL for (int g = 0; g < 8; g++) { /* two chains: half the latency */       \
                     int32_t four;                                                             \
                     memcpy(&four, xr + 4 * g, 4);                                             \
-                    s = _mm512_dpbusd_epi32(s, q[g], _mm512_set1_epi32(four));                \
+                    s[g % 2] = _mm512_dpbusd_epi32(s[g % 2], q[g], _mm512_set1_epi32(four));  \
                 }                                                                             \
                 int64_t at = (m0 + r) * nk + kb;                                              \
                 __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(j->dx[at]));                      \
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dd, acc[r]);                  \
+                __m512i sum = _mm512_add_epi32(s[0], s[1]);                                   \
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), dd, acc[r]);                \
                 acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(j->sx[at]), acc[r]);               \
             }                                                                                 \
         }                                                                                     \

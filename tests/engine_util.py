@@ -22,14 +22,17 @@ from kv.table import PageTable
 from models.tokenizer import Tokenizer
 
 
-def make_config(target, method="none", draft=None, k=3, pages=256, page_size=4, spec_kw=None, **kw):
+def make_config(
+    target, method="none", draft=None, k=3, pages=256, page_size=4, spec_kw=None,
+    kv_dtype="auto", **kw,
+):  # fmt: skip
     """An EngineConfig for tests; spec_kw: more SpecConfig fields. The draft length is fixed
     unless spec_kw asks for the cost model: with drafters as poor as random heads, the cost
     model would soon stop drafting, and the tests would stop testing speculation."""
     draft = str(draft) if draft else None
     fields = {"adaptive_k": False} | (spec_kw or {})
     spec = SpecConfig(method=method, draft=draft, num_speculative_tokens=k, **fields)
-    kv = KVConfig(page_size=page_size, num_pages=pages)
+    kv = KVConfig(page_size=page_size, num_pages=pages, dtype=kv_dtype)
     return EngineConfig(model=str(target), spec=spec, kv=kv, **kw)
 
 

@@ -54,19 +54,29 @@ def write_context(cache: KVCache, batch: Batch, keys: torch.Tensor, values: torc
         rows = cache.key_rows(torch.tensor(table.slots(0, seq.context), dtype=torch.long))
         context = slice(start, start + seq.context)
         for layer in range(cache.data.shape[0]):
-            cache.layer_rows(layer)[rows] = keys[layer, context]
-            cache.layer_rows(layer)[rows + cache.page_size] = values[layer, context]
+            store = cache.layer_rows(layer)
+            store[rows] = keys[layer, context].to(store.dtype)
+            store[rows + cache.page_size] = values[layer, context].to(store.dtype)
         start += seq.kv_len
 
 
-def run_case(seqs: list[Seq], page_size: int, num_q_heads: int, num_kv_heads: int, seed: int):
+def run_case(
+    seqs: list[Seq],
+    page_size: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+):
+    """`dtype`: the cache's; the reference reads the keys and values as it keeps them."""
     gen = torch.Generator().manual_seed(seed)
     batch = Batch(seqs, page_size, seed)
-    cache = KVCache(LAYERS, NUM_PAGES, page_size, num_kv_heads, HEAD_DIM)
+    cache = KVCache(LAYERS, NUM_PAGES, page_size, num_kv_heads, HEAD_DIM, dtype)
     cache.data.copy_(torch.randn(cache.data.shape, generator=gen) * 10)  # noise
     # every sequence's keys in logical order, context then this forward's tokens
     shape = (LAYERS, sum(s.kv_len for s in seqs), num_kv_heads, HEAD_DIM)
     keys, values = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    keys, values = keys.to(dtype).float(), values.to(dtype).float()  # exact in the cache
     write_context(cache, batch, keys, values)
     bounds = [0] + [s.kv_len for s in seqs]
     bounds = torch.tensor(bounds).cumsum(0).tolist()
@@ -86,21 +96,24 @@ def run_case(seqs: list[Seq], page_size: int, num_q_heads: int, num_kv_heads: in
             want = reference(q[rows], keys[layer, kv], values[layer, kv], seq.mask())
             torch.testing.assert_close(out[rows].double(), want, atol=1e-5, rtol=1e-5)
             q_start += seq.q_len
-        store = cache.layer_rows(layer)
+        store = cache.layer_rows(layer).float()
         assert torch.equal(store[written], keys[layer, new])
         assert torch.equal(store[written + page_size], values[layer, new])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_paged_attention_matches_dense_reference(case, page_size):
-    run_case(CASES[case], page_size, num_q_heads=4, num_kv_heads=2, seed=len(case) + page_size)
+def test_paged_attention_matches_dense_reference(case, page_size, dtype):
+    seed = len(case) + page_size
+    run_case(CASES[case], page_size, num_q_heads=4, num_kv_heads=2, seed=seed, dtype=dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads", [(3, 3), (6, 1)])
-def test_head_groupings(heads):
-    run_case(CASES["verify"] + CASES["decode"][:2], 4, *heads, seed=5)
-    run_case(CASES["tree"], 4, *heads, seed=6)
+def test_head_groupings(heads, dtype):
+    run_case(CASES["verify"] + CASES["decode"][:2], 4, *heads, seed=5, dtype=dtype)
+    run_case(CASES["tree"], 4, *heads, seed=6, dtype=dtype)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

@@ -5,6 +5,7 @@ where float32's top two logits are within that dtype's rounding."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.request import SamplingParams
 from tests.engine_util import (
@@ -57,3 +58,20 @@ async def test_the_dtype_departs_from_float32_only_at_near_ties(tiny_target, pro
         exact = [await engine.generate(p, params) for p in prompts]
     rounded = await generate(tiny_target, prompts, dtype)
     assert_departs_only_at_near_ties(exact, rounded, ROUNDING[dtype])
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+async def test_speculation_equals_plain_decoding_at_each_kv_dtype(
+    tiny_target, drafters, prompts, kv_dtype
+):
+    """A float32 model with its KV cache in float32, or in float16 (the CPU's default)."""
+
+    async def run(method="none", draft=None, k=3, **spec):
+        config = make_config(tiny_target, method, draft, k=k, kv_dtype=kv_dtype, spec_kw=spec)
+        async with running(config) as engine:
+            assert engine.stages.verifier.cache.data.dtype == getattr(torch, kv_dtype)
+            return await staggered(engine, prompts, GREEDY)
+
+    plain = await run()
+    for name, (method, draft, k, spec) in DRAFTERS.items():
+        assert await run(method, drafters[draft] if draft else None, k, **spec) == plain, name

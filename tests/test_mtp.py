@@ -163,8 +163,9 @@ async def test_a_head_equal_to_the_target_is_always_accepted(tmp_path, k):
 async def test_deferred_logits_match_the_head_over_the_whole_sequence(tiny_target, head_dir):
     """After the last step, the head's deferred logits are those of the head run from scratch
     over every pair (t_p, H_{p-1}) with the target's hidden states (zero at position 0); a
-    prompt longer than the token budget checks the pairs across prefill chunks."""
-    config = make_config(tiny_target, "mtp", head_dir, k=3, max_batch_tokens=16)
+    prompt longer than the token budget checks the pairs across prefill chunks (a float32
+    cache: the reference attends in float32)."""
+    config = make_config(tiny_target, "mtp", head_dir, k=3, max_batch_tokens=16, kv_dtype="float32")
     prompt = ragged_prompts(1, 300, seed=4)[0] * 2
     async with running(config) as engine:
         ids = prompt + token_ids(await engine.generate(prompt, GREEDY))
