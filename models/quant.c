@@ -135,9 +135,6 @@ static void store_block(const Job *j, int64_t row, int64_t ob, const float *lane
 
 #define VNNI_ATTR __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 #define VNNI_TILE 8
-#ifndef PREFETCH
-#define PREFETCH 1024
-#endif
 
 VNNI_ATTR static inline void vnni_scales(const QWeight *w, const uint8_t *s, __m512 *d,
                                          __m512 *m) {
