@@ -26,7 +26,7 @@ from bench.common import forward_call, median_seconds, read_bandwidth, text_tabl
 from engine.builder import cache_dir, model_path
 from engine.config import KV_DTYPES, WEIGHTS, EngineConfig, KVConfig
 from models import native
-from models.linear import FusedLinear, QuantLinear, held_bytes
+from models.linear import FusedLinear, QuantLinear, TiedEmbedding, held_bytes
 from models.llama import LlamaModel, prepare_for_inference
 from models.loader import load_model
 from models.quant import Codes, pack
@@ -34,9 +34,12 @@ from models.quant import Codes, pack
 
 def streamed_bytes(model: LlamaModel) -> int:
     """Bytes of the weights one forward reads: every product's (the lm_head's included) and
-    the norms'; of an untied embedding table, one row (so: all it holds, less the rest)."""
-    embed = getattr(model.embed_tokens, "weight", None)
-    untied = embed.numel() * embed.element_size() if embed is not None else 0
+    the norms'; of an embedding table of its own, one row (so: all it holds, less the rest)."""
+    embed = model.embed_tokens
+    if isinstance(embed, TiedEmbedding) and embed.head is not model.lm_head:
+        return held_bytes(model) - held_bytes(embed)  # a quantized table of its own
+    table = getattr(embed, "weight", None)
+    untied = table.numel() * table.element_size() if table is not None else 0
     return held_bytes(model) - untied
 
 
@@ -59,11 +62,12 @@ def product_flops(quantized: bool, repeats: int = 5) -> float:
     torch's large matrix product and the native kernels' blocked product; for quantized ones
     the native quantized product's (4-bit codes, 64 rows)."""
     if quantized:
-        codes = Codes(torch.randint(0, 16, (256, 512), dtype=torch.uint8),
-                      torch.rand(256, 16), torch.rand(256, 16), 4, False)  # fmt: skip
-        x, packed = torch.randn(64, 512), pack(codes)
-        fn = lambda: native.qlinear(x, packed, (256, 512), 4, False)  # noqa: E731
-        return 2 * 64 * 512 * 256 / median_seconds(fn, repeats * 20)
+        shape = (4096, 1024)  # 2 MB of 4-bit codes: the caches hold them
+        codes = Codes(torch.randint(0, 16, shape, dtype=torch.uint8),
+                      torch.rand(4096, 32), torch.rand(4096, 32), 4, False)  # fmt: skip
+        x, packed = torch.randn(64, 1024), pack(codes)
+        fn = lambda: native.qlinear(x, packed, shape, codes.form)  # noqa: E731
+        return 2 * 64 * shape[0] * shape[1] / median_seconds(fn, repeats * 4)
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     calls = [(lambda: a @ b, 2 * 2048**3)]
     if native.available():

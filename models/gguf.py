@@ -27,10 +27,12 @@ from tokenizers import decoders, pre_tokenizers
 from tokenizers.models import BPE
 from torch import nn
 
+from models import native
 from models.checkpoint import CheckpointError, to_be_loaded
+from models.gguf_file import GGUFFormatError, Tensor, read_gguf
 from models.linear import QuantLinear, TiedEmbedding
 from models.llama import LlamaConfig, LlamaModel, Rotary
-from models.quant import CODE_TYPES, Codes, codes_of
+from models.quant import CODE_TYPES, Codes, Packed, cat, codes_of, packed_rows
 
 # GPT-2's split, which ByteLevel(use_regex=True) applies itself
 GPT2 = "gpt2"
@@ -38,6 +40,7 @@ LLAMA3_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+QWEN2_REGEX = LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")  # digits one at a time
 # tokenizer.ggml.pre -> how llama.cpp splits text before BPE (its llama-vocab.cpp)
 PRE_TOKENIZERS = {
     "gpt2": GPT2,
@@ -47,6 +50,7 @@ PRE_TOKENIZERS = {
     "refact": "digits+gpt2",
     "llama-bpe": "llama3",
     "llama3": "llama3",
+    "qwen2": "qwen2",
 }
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4  # llama.cpp's token types: special, added
 
@@ -91,45 +95,49 @@ def is_gguf(path: str | Path) -> bool:
 
 @dataclass(frozen=True)
 class Metadata:
-    """What a GGUF file says besides its tensors' data: its fields' values and its tensors'
-    names."""
+    """What a GGUF file's header says: its fields' values and its tensors' infos."""
 
     fields: dict[str, Any]
-    tensor_types: dict[str, str]  # name -> GGUF type, in the file's order
+    tensors: list[Tensor]
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.fields.get(key, default)
 
-
-def _open(path: str | Path) -> Any:
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # a parser of untrusted bytes: whatever it meets is refused
-        raise CheckpointError(f"{path} is not a readable GGUF file: {e!r}") from e
+    @property
+    def tensor_types(self) -> dict[str, str]:
+        """name -> GGUF type, in the file's order."""
+        return {t.name: t.tensor_type.name for t in self.tensors}
 
 
 def _metadata(path: str | Path) -> Metadata:
-    """The file's metadata, kept for its next reader (the weights and the tokenizer each want
-    it; parsing SmolLM2's takes seconds): one per path, size and time. The reader itself is
-    not kept: its parse of the vocabulary holds about 150 MB."""
+    """The file's header, kept for its next reader (the weights and the tokenizer each want
+    it): one per path, size and time."""
     stat = Path(path).stat() if Path(path).is_file() else None
     return _cached_metadata(str(Path(path).resolve()), stat and (stat.st_size, stat.st_mtime_ns))
 
 
 @functools.lru_cache(maxsize=2)
 def _cached_metadata(path: str, stamp: tuple[int, int] | None) -> Metadata:
-    reader = _open(path)
-    fields = {key: field.contents() for key, field in reader.fields.items()}
-    return Metadata(fields, {t.name: t.tensor_type.name for t in reader.tensors})
+    try:
+        header = read_gguf(path)
+    except (OSError, GGUFFormatError) as e:
+        raise CheckpointError(f"{path} is not a readable GGUF file: {e}") from e
+    return Metadata(header.fields, header.tensors)
+
+
+# general.architecture -> ours (Qwen2: q, k and v biases; its rows never permuted)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 def config_from_gguf(meta: Metadata) -> LlamaConfig:
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise CheckpointError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(
+            f"GGUF architecture {arch!r} is not supported (only {', '.join(ARCHITECTURES)})"
+        )
     if "rope_freqs.weight" in meta.tensor_types:
         raise CheckpointError("GGUF rope_freqs (llama3 rope scaling) is not supported")
-    key = lambda name: f"llama.{name}"  # noqa: E731
+    key = lambda name: f"{arch}.{name}"  # noqa: E731
     heads = meta.get(key("attention.head_count"))
     hidden = meta.get(key("embedding_length"))
     tokens = meta.get("tokenizer.ggml.tokens") or []
@@ -145,6 +153,8 @@ def config_from_gguf(meta: Metadata) -> LlamaConfig:
         rope_theta=meta.get(key("rope.freq_base"), 10000.0),
         max_position_embeddings=meta.get(key("context_length"), 2048),
         tie_word_embeddings="output.weight" not in meta.tensor_types,
+        attention_bias=arch == "qwen2",
+        architecture=ARCHITECTURES[arch],
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
     )
@@ -168,7 +178,9 @@ def _unpermute(w: Any, heads: int) -> Any:
 
 
 def _heads_of(name: str, cfg: LlamaConfig) -> int | None:
-    """The heads whose rows llama.cpp permuted in this tensor, if any."""
+    """The heads whose rows llama.cpp permuted in this tensor, if any (a Llama's q and k)."""
+    if cfg.architecture != "LlamaForCausalLM":
+        return None
     if name.endswith("q_proj.weight"):
         return cfg.num_heads
     if name.endswith("k_proj.weight"):
@@ -182,11 +194,12 @@ def _tensor(t: Any) -> torch.Tensor:
     return torch.from_numpy(values.copy()).reshape(*reversed([int(n) for n in t.shape]))
 
 
-def _check_tensors(path: str | Path, reader: Any, expected: dict[str, tuple[int, ...]]) -> None:
-    """Every tensor of the file known, of the shape the config implies and of a type we can
-    read, and none missing: refused before anything is loaded, naming the file and tensor."""
-    seen = set()
-    for t in reader.tensors:
+def _check_tensors(path: str | Path, meta: Metadata, expected: dict[str, tuple[int, ...]]) -> None:
+    """Every tensor of the file known, of the shape the config implies, of a type we can
+    read and whole, and none missing: refused before anything is loaded, naming the file
+    and the tensor."""
+    seen, size = set(), Path(path).stat().st_size
+    for t in meta.tensors:
         name = _our_name(t.name)
         shape = tuple(reversed([int(n) for n in t.shape]))
         if shape != expected.get(name):
@@ -195,6 +208,8 @@ def _check_tensors(path: str | Path, reader: Any, expected: dict[str, tuple[int,
             raise CheckpointError(
                 f"{path}: tensor {t.name} has type {t.tensor_type.name}, which we cannot read"
             )
+        if t.offset + t.nbytes > size:
+            raise CheckpointError(f"{path} is truncated: tensor {t.name} runs past its end")
         seen.add(name)
     missing = sorted(set(expected) - seen)
     if missing:
@@ -227,12 +242,12 @@ def load_gguf_model(
     expected = {n: tuple(p.shape) for n, p in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         del expected["lm_head.weight"]
-    reader = _open(path)
-    _check_tensors(path, reader, expected)
+    meta = _metadata(path)
+    _check_tensors(path, meta, expected)
     if quantized:
-        state = _quantized(reader, cfg, model)
+        state = _quantized(meta, cfg, model)
     else:
-        state = _dequantized_state(path, reader, cfg, cache_dir)
+        state = _dequantized_state(path, meta, cfg, cache_dir)
         state = {name: w.to(device=device, dtype=dtype) for name, w in state.items()}
         if cfg.tie_word_embeddings:
             state["lm_head.weight"] = state["embed_tokens.weight"]
@@ -254,7 +269,7 @@ def served_dequantized(path: str | Path) -> list[str]:
 
 
 def _dequantized_state(
-    path: str | Path, reader: Any, cfg: LlamaConfig, cache_dir: Path | None
+    path: str | Path, meta: Metadata, cfg: LlamaConfig, cache_dir: Path | None
 ) -> dict[str, torch.Tensor]:
     """The file's tensors in float32 under our names, q and k rows back in rotate-half order
     (read back from, or written to, the cache)."""
@@ -262,7 +277,7 @@ def _dequantized_state(
     if cached is not None and cached.exists():
         return load_file(str(cached))
     state = {}
-    for t in reader.tensors:
+    for t in meta.tensors:
         name = _our_name(t.name)
         w = _tensor(t)
         heads = _heads_of(name, cfg)
@@ -284,53 +299,87 @@ GROUPS = (
 )
 
 
-def _quantized(reader: Any, cfg: LlamaConfig, model: LlamaModel) -> dict[str, torch.Tensor]:
-    """The file's linears put into `model` as QuantLinears, a tensor at a time (each tensor's
-    codes made from the mapped file, then packed); the rest returned as float32 tensors."""
-    codes: dict[str, Codes] = {}
+def _quantized(meta: Metadata, cfg: LlamaConfig, model: LlamaModel) -> dict[str, torch.Tensor]:
+    """The file's linears put into `model` as QuantLinears, a product at a time (each read,
+    fused where it is, and packed before the next is read); the rest returned as float32
+    tensors."""
+    tensors = {_our_name(t.name): t for t in meta.tensors}
     state: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        name = _our_name(t.name)
-        heads = _heads_of(name, cfg)
-        if t.tensor_type in CODE_TYPES and len(t.shape) == 2:
-            raw = np.asarray(t.data)  # [outputs, bytes a row]
-            raw = _unpermute(raw, heads) if heads else raw
-            codes[name] = codes_of(raw, t.tensor_type, int(t.shape[0]))
-            continue
-        w = _tensor(t)
-        state[name] = _unpermute(w, heads) if heads else w
     for i, layer in enumerate(model.layers):
         for names, (owner, attr) in GROUPS:
             weights = [f"layers.{i}.{n}.weight" for n in names]
-            if not all(w in codes for w in weights):  # a float among them: all float
-                state.update({w: codes.pop(w).dequantize() for w in weights if w in codes})
+            found = {w: read for w in weights if (read := _read(tensors[w], cfg, len(names) == 1))}
+            stacked = _stacked(list(found.values())) if len(found) == len(names) else None
+            if stacked is None:  # a float among them, or forms without a common one: all float
+                for w in weights:
+                    state[w] = _dequantized(found[w]) if w in found else _float(tensors[w], cfg)
                 continue
             biases = [
-                b for n in names if (b := state.pop(f"layers.{i}.{n}.bias", None)) is not None
+                _float(tensors.pop(b), cfg)
+                for n in names
+                if (b := f"layers.{i}.{n}.bias") in tensors
             ]
-            product = QuantLinear(
-                [codes.pop(w) for w in weights], torch.cat(biases) if biases else None
-            )
+            sizes = [p.shape[0] for p in found.values()]
+            product = QuantLinear(stacked, sizes, torch.cat(biases) if biases else None)
             for n in names:  # the checkpoint's linears, replaced
                 setattr(getattr(layer, owner), n.split(".")[1], None)
             setattr(getattr(layer, owner), attr, product)
-    _quantized_vocab(model, codes, state)
+            for w in weights:
+                del tensors[w]
+    for name in ("lm_head.weight", "embed_tokens.weight"):
+        if name in tensors and (read := _read(tensors[name], cfg, True)):
+            _quantized_vocab(model, name, read)
+            del tensors[name]
+    state.update({name: _float(t, cfg) for name, t in tensors.items() if name not in state})
+    if model.config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
+        state["lm_head.weight"] = state["embed_tokens.weight"]
     return state
 
 
-def _quantized_vocab(model: LlamaModel, codes: dict[str, Codes], state: dict) -> None:
-    """The lm_head and the embedding: quantized tables read where they are packed (a tied one
-    once, by both), or float ones into `state`."""
-    tied = model.config.tie_word_embeddings
-    head_name = "embed_tokens.weight" if tied else "lm_head.weight"
-    if head_name in codes:
-        model.lm_head = QuantLinear([codes.pop(head_name)])
-        if tied:
-            model.embed_tokens = TiedEmbedding(model.lm_head)
-    if "embed_tokens.weight" in codes:
-        model.embed_tokens = TiedEmbedding(QuantLinear([codes.pop("embed_tokens.weight")]))
-    if tied and isinstance(model.lm_head, nn.Linear):
-        state["lm_head.weight"] = state["embed_tokens.weight"]
+def _read(t: Tensor, cfg: LlamaConfig, alone: bool) -> Codes | Packed | None:
+    """A matrix of a type with codes: packed as read, in parts, where the kernels run and it
+    is a product of its own; else its codes, to be fused (rows put back in rotate-half order
+    where llama.cpp permuted them). None for other types."""
+    if t.tensor_type not in CODE_TYPES or len(t.shape) != 2:
+        return None
+    inputs = int(t.shape[0])
+    if alone and native.quant_path() != "torch":
+        return packed_rows(t.read, t.rows, t.tensor_type, inputs)
+    heads = _heads_of(_our_name(t.name), cfg)
+    raw = t.data  # [outputs, bytes a row]
+    return codes_of(_unpermute(raw, heads) if heads else raw, t.tensor_type, inputs)
+
+
+def _float(t: Tensor, cfg: LlamaConfig) -> torch.Tensor:
+    """A tensor dequantized to float32, rows put back in rotate-half order where permuted."""
+    heads = _heads_of(_our_name(t.name), cfg)
+    w = _tensor(t)
+    return _unpermute(w, heads) if heads else w
+
+
+def _stacked(parts: list[Codes | Packed]) -> Codes | Packed | None:
+    """One weight, or several read as codes (a fused group's) stacked by models.quant.cat."""
+    if len(parts) == 1:
+        return parts[0]
+    return cat([p for p in parts if isinstance(p, Codes)])
+
+
+def _dequantized(weight: Codes | Packed) -> torch.Tensor:
+    """[O, I] float32 of codes, or of a packed weight (by the kernels' row lookup)."""
+    if isinstance(weight, Codes):
+        return weight.dequantize()
+    rows = torch.arange(weight.shape[0])
+    return native.qrows(rows, weight.data, weight.shape, weight.form)
+
+
+def _quantized_vocab(model: LlamaModel, name: str, weight: Codes | Packed) -> None:
+    """The lm_head or the embedding, a quantized table read where it is packed (a tied one
+    once, by both)."""
+    product = QuantLinear(weight)
+    if name == "lm_head.weight" or model.config.tie_word_embeddings:
+        model.lm_head = product
+    if name == "embed_tokens.weight":
+        model.embed_tokens = TiedEmbedding(product)
 
 
 def _cache_file(path: Path, cache_dir: Path) -> Path:
@@ -373,11 +422,14 @@ def tokenizer_from_gguf(path: str | Path) -> dict[str, Any]:
     }
 
 
+SPLITS = {"llama3": LLAMA3_REGEX, "qwen2": QWEN2_REGEX}  # a regex of their own, then bytes
+
+
 def _pre_tokenizer(kind: str) -> pre_tokenizers.PreTokenizer:
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=kind != "llama3")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=kind not in SPLITS)
     if kind == "digits+gpt2":
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if kind == "llama3":
-        split = pre_tokenizers.Split(tokenizers.Regex(LLAMA3_REGEX), behavior="isolated")
+    if kind in SPLITS:
+        split = pre_tokenizers.Split(tokenizers.Regex(SPLITS[kind]), behavior="isolated")
         return pre_tokenizers.Sequence([split, byte_level])
     return byte_level

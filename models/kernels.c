@@ -824,8 +824,7 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *const *args, Py_ss
  * quant.c. Each layer's entry of the table holds, as int64: its input norm's weight (0: none),
  * the post-attention norm's, the layer's index in the KV cache, then for each of q|k|v, o,
  * gate|up and down: the weight (blocked float32 or int8, or packed codes), its int8 scales
- * (0: none), its bias (0: none) and its code width (0: not packed codes; else bits, plus 256
- * for float16 scales). */
+ * (0: none), its bias (0: none) and its codes' form (0: not packed codes; else qweight's). */
 
 enum { W_IN_NORM, W_POST_NORM, CACHE_LAYER, LINEARS };
 enum { QKV, O, GATE_UP, DOWN };
@@ -852,7 +851,7 @@ static Linear linear_of(const int64_t *w, int which) {
 static int apply(Linear l, const float *x, float *y, int64_t rows, int64_t in, int64_t out,
                  int threads) {
     if (l.packed) {
-        QWeight q = {l.packed, l.bias, out, in, l.codes & 255, l.codes >> 8};
+        QWeight q = qweight(l.packed, l.bias, out, in, l.codes);
         return qgemm(&q, x, y, rows, threads);
     }
     gemm(x, l.wf, l.wq, l.scales, l.bias, y, rows, in, out, threads);
@@ -925,24 +924,24 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
     Py_RETURN_NONE;
 }
 
-/* qlinear(y, x, packed, bias, rows, in, out, bits, half_scales, threads) (quant.c) */
+/* qlinear(y, x, packed, bias, rows, in, out, form, threads) (quant.c) */
 static PyObject *py_qlinear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t a[10];
-    if (ints(args, nargs, 10, a)) return NULL;
-    QWeight w = {PTR(const uint8_t, a[2]), PTR(const float, a[3]), a[6], a[5], a[7], a[8]};
+    int64_t a[9];
+    if (ints(args, nargs, 9, a)) return NULL;
+    QWeight w = qweight(PTR(const uint8_t, a[2]), PTR(const float, a[3]), a[6], a[5], a[7]);
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = qgemm(&w, PTR(const float, a[1]), PTR(float, a[0]), a[4], (int)a[9]);
+    status = qgemm(&w, PTR(const float, a[1]), PTR(float, a[0]), a[4], (int)a[8]);
     Py_END_ALLOW_THREADS
     if (status) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
-/* qrows(out, packed, ids, n, out_features, in, bits, half_scales) (quant.c) */
+/* qrows(out, packed, ids, n, out_features, in, form) (quant.c) */
 static PyObject *py_qrows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t a[8];
-    if (ints(args, nargs, 8, a)) return NULL;
-    QWeight w = {PTR(const uint8_t, a[1]), NULL, a[4], a[5], a[6], a[7]};
+    int64_t a[7];
+    if (ints(args, nargs, 7, a)) return NULL;
+    QWeight w = qweight(PTR(const uint8_t, a[1]), NULL, a[4], a[5], a[6]);
     Py_BEGIN_ALLOW_THREADS
     qrows(&w, PTR(const int64_t, a[2]), a[3], PTR(float, a[0]));
     Py_END_ALLOW_THREADS

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models import native
-from models.quant import Codes, cat, exact_in_half, pack
+from models.quant import Codes, Packed, packed
 
 
 class FusedLinear(nn.Module):
@@ -96,22 +96,25 @@ class QuantLinear(nn.Module):
 
     bias: torch.Tensor | None
 
-    def __init__(self, parts: Sequence[Codes], bias: torch.Tensor | None = None):
+    def __init__(
+        self, weight: Codes | Packed, sizes: Sequence[int] = (), bias: torch.Tensor | None = None
+    ):
+        """`weight`: packed already (where the native kernels run), or codes; `sizes`: the
+        outputs of the parts stacked in it (models.quant.cat)."""
         super().__init__()
-        codes = parts[0] if len(parts) == 1 else cat(list(parts))
-        if codes.half and not exact_in_half(codes):
-            codes = Codes(codes.codes, codes.d, codes.m, codes.bits, False)
+        if isinstance(weight, Codes) and native.quant_path() != "torch":
+            weight = packed(weight)
         self.register_buffer("bias", bias, persistent=False)
-        self.sizes = [p.shape[0] for p in parts]
-        self.out_features, self.in_features = codes.shape
-        self.bits, self.half_scales = codes.bits, codes.half
+        self.sizes = list(sizes) or [weight.shape[0]]
+        self.out_features, self.in_features = weight.shape
         # exactly one of: packed for the kernels, or the codes for torch's path
         self.packed: torch.Tensor | None = None
         self.codes: Codes | None = None
-        if native.quant_path() != "torch":
-            self.packed = pack(codes)
+        if isinstance(weight, Packed):
+            self.packed = weight.data
         else:
-            self.codes = codes
+            self.codes = weight
+        self.form = weight.form  # quant.c's qweight
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -123,9 +126,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return native.qlinear(
-                x, self.packed, self.shape, self.bits, self.half_scales, self.bias
-            )
+            return native.qlinear(x, self.packed, self.shape, self.form, self.bias)
         assert self.codes is not None
         return F.linear(x, self.codes.dequantize(), self.bias)
 
@@ -136,7 +137,7 @@ class QuantLinear(nn.Module):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """W[ids] [*ids.shape, I], dequantized (an embedding's lookup)."""
         if self.packed is not None:
-            return native.qrows(ids, self.packed, self.shape, self.bits, self.half_scales)
+            return native.qrows(ids, self.packed, self.shape, self.form)
         assert self.codes is not None
         return self.codes.rows(ids.reshape(-1)).dequantize().view(*ids.shape, -1)
 

@@ -294,7 +294,7 @@ class NativeDecoder:
                 return None
             bias = lin.bias.contiguous() if lin.bias is not None else None
             if isinstance(lin, QuantLinear):
-                tensors, width = [lin.packed, None, bias], lin.bits + 256 * lin.half_scales
+                tensors, width = [lin.packed, None, bias], lin.form
             else:
                 tensors, width = [lin.blocked, lin.scales, bias], 0
             keep.extend(t for t in tensors if t is not None)

@@ -110,28 +110,26 @@ def qlinear(
     x: torch.Tensor,  # [M, I] float32
     packed: torch.Tensor,  # models/quant.py: pack
     shape: tuple[int, int],  # O, I
-    bits: int,
-    half: bool,
+    form: int,  # models/quant.py: form
     bias: torch.Tensor | None = None,  # [O]
 ) -> torch.Tensor:
     """x W^T + bias [M, O] from packed codes (quant.c)."""
     x = x.contiguous()
     y = x.new_empty(x.shape[0], shape[0])
-    _kernels.qlinear(
-        y.data_ptr(), x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else 0,
-        x.shape[0], shape[1], shape[0], bits, int(half), torch.get_num_threads(),
-    )  # fmt: skip
+    bias_at = bias.data_ptr() if bias is not None else 0
+    threads = torch.get_num_threads()
+    _kernels.qlinear(y.data_ptr(), x.data_ptr(), packed.data_ptr(), bias_at, x.shape[0], shape[1],
+                     shape[0], form, threads)  # fmt: skip
     return y
 
 
 def qrows(
-    ids: torch.Tensor, packed: torch.Tensor, shape: tuple[int, int], bits: int, half: bool
+    ids: torch.Tensor, packed: torch.Tensor, shape: tuple[int, int], form: int
 ) -> torch.Tensor:
     """Rows `ids` of a packed W, dequantized: [*ids.shape, I] float32."""
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(flat.shape[0], shape[1])
-    _kernels.qrows(out.data_ptr(), packed.data_ptr(), flat.data_ptr(), flat.shape[0], *shape,
-                   bits, int(half))  # fmt: skip
+    _kernels.qrows(out.data_ptr(), packed.data_ptr(), flat.data_ptr(), flat.shape[0], *shape, form)
     return out.view(*ids.shape, shape[1])
 
 

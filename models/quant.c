@@ -34,8 +34,18 @@
 #define UNROLL _Pragma("GCC unroll 16") /* the rows' accumulators stay in registers */
 #define QO 16 /* outputs a block */
 
+/* a chunk's codes: 8 bits a code, or 4 in nibbles plus planes of the fifth and sixth bits */
+static int64_t code_bytes(int64_t bits) { return bits == 8 ? 512 : 256 + 64 * (bits - 4); }
+
+/* a chunk: its codes, then 16 scales and (unless implied) 16 offsets; 6 bits: the two
+ * halves' 16 scales */
 static int64_t chunk_bytes(const QWeight *w) {
-    return w->bits * QK * QO / 8 + 2 * QO * (w->half_scales ? 2 : 4);
+    int64_t vectors = w->bits == 6 || !w->zero ? 2 : 1;
+    return code_bytes(w->bits) + vectors * QO * (w->half_scales ? 2 : 4);
+}
+
+QWeight qweight(const uint8_t *packed, const float *bias, int64_t out, int64_t in, int64_t form) {
+    return (QWeight){packed, bias, out, in, form & 255, (form >> 8) & 1, form >> 16};
 }
 
 static float half_to_float(uint16_t h) {
@@ -59,25 +69,29 @@ static float half_to_float(uint16_t h) {
     return f;
 }
 
-/* the block's scale and offset of output o (0..15) */
-static void block_scales(const QWeight *w, const uint8_t *chunk, int o, float *d, float *m) {
-    const uint8_t *s = chunk + w->bits * QK * QO / 8;
+/* the scale and offset of output o (0..15) at input i (0..31) of a chunk */
+static void block_scales(const QWeight *w, const uint8_t *chunk, int o, int i, float *d,
+                         float *m) {
+    const uint8_t *s = chunk + code_bytes(w->bits);
+    int64_t size = w->half_scales ? 2 : 4, at = w->bits == 6 ? (i / 16) * QO + o : o;
+    uint16_t h;
     if (w->half_scales) {
-        uint16_t hd, hm;
-        memcpy(&hd, s + 2 * o, 2);
-        memcpy(&hm, s + 2 * QO + 2 * o, 2);
-        *d = half_to_float(hd), *m = half_to_float(hm);
+        memcpy(&h, s + size * at, 2), *d = half_to_float(h);
+        memcpy(&h, s + size * (QO + o), 2), *m = half_to_float(h);
     } else {
-        memcpy(d, s + 4 * o, 4);
-        memcpy(m, s + 4 * QO + 4 * o, 4);
+        memcpy(d, s + size * at, 4), memcpy(m, s + size * (QO + o), 4);
     }
+    if (w->zero) *m = -(float)w->zero * *d;
 }
 
 static int code_at(const QWeight *w, const uint8_t *chunk, int o, int i) {
-    if (w->bits == 8) return chunk[(i / 4) * 64 + o * 4 + i % 4];
-    int j = i / 8, high = (i % 8) / 4;
-    uint8_t byte = chunk[j * 64 + o * 4 + i % 4];
-    return high ? byte >> 4 : byte & 15;
+    int g = i / 4, at = o * 4 + i % 4;
+    if (w->bits == 8) return chunk[g * 64 + at];
+    uint8_t byte = chunk[(g / 2) * 64 + at];
+    int code = g % 2 ? byte >> 4 : byte & 15;
+    if (w->bits == 5) code |= ((chunk[256 + at] >> g) & 1) << 4;
+    if (w->bits == 6) code |= ((chunk[256 + 64 * (g / 4) + at] >> (2 * (g % 4))) & 3) << 4;
+    return code;
 }
 
 __attribute__((optimize("fp-contract=off"))) void qrows(const QWeight *w, const int64_t *ids, int64_t n, float *out) {
@@ -87,10 +101,11 @@ __attribute__((optimize("fp-contract=off"))) void qrows(const QWeight *w, const 
         int o = (int)(ids[r] % QO);
         for (int64_t kb = 0; kb < nk; kb++) {
             const uint8_t *chunk = w->packed + (ob * nk + kb) * cb;
-            float d, m;
-            block_scales(w, chunk, o, &d, &m);
-            for (int i = 0; i < QK; i++)
+            for (int i = 0; i < QK; i++) {
+                float d, m;
+                block_scales(w, chunk, o, i, &d, &m);
                 out[r * w->in + kb * QK + i] = d * (float)code_at(w, chunk, o, i) + m;
+            }
         }
     }
 }
@@ -98,7 +113,7 @@ __attribute__((optimize("fp-contract=off"))) void qrows(const QWeight *w, const 
 /* ---- the activations: xq [M, I] int8, and a row's dx and dx * sum(xq) a block [M, I / 32] */
 
 static void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *xq, float *dx,
-                          float *sx) {
+                          float *sx, int32_t *halves) {
     int64_t nk = in / QK;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t kb = 0; kb < nk; kb++) {
@@ -107,13 +122,14 @@ static void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *xq, 
             float amax = 0.0f;
             for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
             float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int sum = 0;
+            int32_t half[2] = {0, 0};
             for (int i = 0; i < QK; i++) {
                 q[i] = (int8_t)lrintf(v[i] * inv);
-                sum += q[i];
+                half[i / 16] += q[i];
             }
             dx[r * nk + kb] = d;
-            sx[r * nk + kb] = d * (float)sum;
+            sx[r * nk + kb] = d * (float)(half[0] + half[1]);
+            halves[2 * (r * nk + kb)] = half[0], halves[2 * (r * nk + kb) + 1] = half[1];
         }
 }
 
@@ -121,6 +137,7 @@ typedef struct {
     const QWeight *w;
     const int8_t *xq;
     const float *dx, *sx;
+    const int32_t *halves; /* [M, I / 16]: sum(xq) of each 16 inputs */
     float *y;
     int64_t rows;
 } Job;
@@ -131,22 +148,46 @@ static void store_block(const Job *j, int64_t row, int64_t ob, const float *lane
     for (int64_t o = 0; o < n; o++) y[o] = lanes[o] + (j->w->bias ? j->w->bias[o0 + o] : 0.0f);
 }
 
-/* ---- AVX-512 VNNI: 16 outputs a vector, tiles of up to 8 rows ---- */
+/* ---- unpacking a chunk's codes: group g (inputs 4g..4g+3, four bytes an output) ----
+ * 4, 5 and 6 bits: the low nibbles in four vectors (vector j: group 2j low, 2j + 1 high),
+ * then 5 bits: one vector of fifth bits (bit g of byte 4o + t: group g's), 6 bits: two of
+ * fifth-and-sixth pairs (vector h, bits 2i, 2i + 1: group 4h + i's). A pair of bytes shifts
+ * as one 16-bit lane, and the mask keeps only bits that came from the same byte. 8 bits:
+ * eight vectors, group g in vector g. */
 
 #define VNNI_ATTR __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 #define VNNI_TILE 8
 
-VNNI_ATTR static inline void vnni_scales(const QWeight *w, const uint8_t *s, __m512 *d,
-                                         __m512 *m) {
-    if (w->half_scales) {
-        *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
-        *m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 32)));
-    } else {
-        *d = _mm512_loadu_ps(s);
-        *m = _mm512_loadu_ps(s + 64);
+/* a 16-bit lane shift by s (negative: right) */
+#define VNNI_SHIFT(v, s) ((s) >= 0 ? _mm512_slli_epi16(v, (s)) : _mm512_srli_epi16(v, -(s)))
+
+VNNI_ATTR static inline void vnni_unpack(const uint8_t *p, int bits, __m512i q[8]) {
+    if (bits == 8) {
+        for (int v = 0; v < 8; v++) q[v] = _mm512_loadu_si512(p + 64 * v);
+        return;
+    }
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int v = 0; v < 4; v++) {
+        __m512i b = _mm512_loadu_si512(p + 64 * v);
+        q[2 * v] = _mm512_and_si512(b, low);
+        q[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+    }
+    if (bits == 5) {
+        __m512i h = _mm512_loadu_si512(p + 256), bit = _mm512_set1_epi8(16);
+        for (int g = 0; g < 8; g++)
+            q[g] = _mm512_or_si512(q[g], _mm512_and_si512(VNNI_SHIFT(h, 4 - g), bit));
+    } else if (bits == 6) {
+        __m512i pair = _mm512_set1_epi8(48);
+        for (int g = 0; g < 8; g++) {
+            __m512i h = _mm512_loadu_si512(p + 256 + 64 * (g / 4));
+            q[g] = _mm512_or_si512(q[g], _mm512_and_si512(VNNI_SHIFT(h, 4 - 2 * (g % 4)), pair));
+        }
     }
 }
 
+/* A tile: ROWS rows of one output block. Each row's 32 inputs of a block meet the codes in
+ * eight 4-way dot products, two chains (half the latency); 6-bit codes (Q6_K) take a scale
+ * each 16 inputs, so their chains are the halves, their offset -32 d applied in integers. */
 #define VNNI_TILE_FN(BITS, ROWS)                                                              \
     VNNI_ATTR static void vnni_##BITS##_##ROWS(const Job *j, int64_t ob, int64_t m0) {        \
         const QWeight *w = j->w;                                                              \
@@ -154,32 +195,40 @@ VNNI_ATTR static inline void vnni_scales(const QWeight *w, const uint8_t *s, __m
         const uint8_t *p = w->packed + ob * nk * cb;                                          \
         __m512 acc[ROWS];                                                                     \
         for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();                          \
-        const __m512i low = _mm512_set1_epi8(15);                                             \
         for (int64_t kb = 0; kb < nk; kb++, p += cb) {                                        \
             __m512i q[8];                                                                     \
-            if (BITS == 4)                                                                    \
-                for (int v = 0; v < 4; v++) {                                                 \
-                    __m512i b = _mm512_loadu_si512(p + 64 * v);                               \
-                    q[2 * v] = _mm512_and_si512(b, low);                                      \
-                    q[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);            \
-                }                                                                             \
-            else                                                                              \
-                for (int v = 0; v < 8; v++) q[v] = _mm512_loadu_si512(p + 64 * v);           \
+            vnni_unpack(p, BITS, q);                                                          \
+            const uint8_t *sc = p + code_bytes(BITS);                                         \
             __m512 d, m;                                                                      \
-            vnni_scales(w, p + BITS * 64, &d, &m);                                            \
+            if (w->half_scales) { /* 6 bits: m holds the second half's scales */              \
+                d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));                 \
+                m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 32)));          \
+            } else {                                                                          \
+                d = _mm512_loadu_ps(sc), m = _mm512_loadu_ps(sc + 64);                        \
+            }                                                                                 \
+            if (BITS != 6 && w->zero) m = _mm512_mul_ps(d, _mm512_set1_ps(-(float)w->zero));  \
             UNROLL for (int r = 0; r < ROWS; r++) {                                           \
                 const int8_t *xr = j->xq + (m0 + r) * w->in + kb * QK;                        \
                 __m512i s[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};              \
-                UNROLL for (int g = 0; g < 8; g++) { /* two chains: half the latency */       \
+                UNROLL for (int g = 0; g < 8; g++) {                                          \
                     int32_t four;                                                             \
                     memcpy(&four, xr + 4 * g, 4);                                             \
-                    s[g % 2] = _mm512_dpbusd_epi32(s[g % 2], q[g], _mm512_set1_epi32(four));  \
+                    int c = BITS == 6 ? g / 4 : g % 2;                                        \
+                    s[c] = _mm512_dpbusd_epi32(s[c], q[g], _mm512_set1_epi32(four));          \
                 }                                                                             \
                 int64_t at = (m0 + r) * nk + kb;                                              \
-                __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(j->dx[at]));                      \
-                __m512i sum = _mm512_add_epi32(s[0], s[1]);                                   \
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), dd, acc[r]);                \
-                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(j->sx[at]), acc[r]);               \
+                __m512 dx = _mm512_set1_ps(j->dx[at]);                                        \
+                if (BITS == 6) {                                                              \
+                    for (int c = 0; c < 2; c++) {                                             \
+                        __m512i off = _mm512_set1_epi32(w->zero * j->halves[2 * at + c]);     \
+                        __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[c], off));           \
+                        acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(c ? m : d, dx), acc[r]);    \
+                    }                                                                         \
+                } else {                                                                      \
+                    __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(s[0], s[1]));              \
+                    acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, dx), acc[r]);                \
+                    acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(j->sx[at]), acc[r]);           \
+                }                                                                             \
             }                                                                                 \
         }                                                                                     \
         for (int r = 0; r < ROWS; r++) {                                                      \
@@ -197,33 +246,75 @@ VNNI_ATTR static inline void vnni_scales(const QWeight *w, const uint8_t *s, __m
     VNNI_TILE_FN(BITS, 5)                                                                     \
     VNNI_TILE_FN(BITS, 6)                                                                     \
     VNNI_TILE_FN(BITS, 7)                                                                     \
-    VNNI_TILE_FN(BITS, 8)
-VNNI_TILES(4)
-VNNI_TILES(8)
+    VNNI_TILE_FN(BITS, 8)                                                                     \
+    static const tile_fn VNNI_##BITS[VNNI_TILE + 1] = {                                       \
+        NULL,           vnni_##BITS##_1, vnni_##BITS##_2, vnni_##BITS##_3, vnni_##BITS##_4,   \
+        vnni_##BITS##_5, vnni_##BITS##_6, vnni_##BITS##_7, vnni_##BITS##_8};
 
 typedef void (*tile_fn)(const Job *, int64_t, int64_t);
-static const tile_fn VNNI4[VNNI_TILE + 1] = {NULL,     vnni_4_1, vnni_4_2, vnni_4_3, vnni_4_4,
-                                             vnni_4_5, vnni_4_6, vnni_4_7, vnni_4_8};
-static const tile_fn VNNI8[VNNI_TILE + 1] = {NULL,     vnni_8_1, vnni_8_2, vnni_8_3, vnni_8_4,
-                                             vnni_8_5, vnni_8_6, vnni_8_7, vnni_8_8};
+VNNI_TILES(4)
+VNNI_TILES(5)
+VNNI_TILES(6)
+VNNI_TILES(8)
 
 /* ---- AVX2: 8 outputs a vector (a block's two halves in turn), tiles of up to 4 rows.
- * 4-bit codes: maddubs(code, xq) pairs each under 2 * 15 * 127, eight of them summed in
- * 16 bits, then widened. 8-bit codes go signed (code - 128, whose magnitude maddubs takes
- * unsigned, its sign moved onto xq: each pair under 2 * 128 * 127) and are widened at once;
- * the 128 * sum(xq) left out returns through the offset: m + 128 d. ---- */
+ * maddubs(code, xq) leaves pairs of products summed in 16 bits: at most 2 * 15 * 127 for
+ * 4-bit codes, so eight groups add up in 16 bits before widening; four for 5-bit codes, two
+ * for 6-bit. 8-bit codes go signed (code - 128, whose magnitude maddubs takes unsigned, its
+ * sign moved onto xq: each pair under 2 * 128 * 127) and are widened at once; the 128 *
+ * sum(xq) left out returns through the offset: m + 128 d. ---- */
 
 #define AVX2_ATTR __attribute__((target("avx2,fma,f16c")))
 #define AVX2_TILE 4
+#define AVX2_SHIFT(v, s) ((s) >= 0 ? _mm256_slli_epi16(v, (s)) : _mm256_srli_epi16(v, -(s)))
 
-AVX2_ATTR static inline void avx2_scales(const QWeight *w, const uint8_t *s, int h, __m256 *d,
-                                         __m256 *m) {
-    if (w->half_scales) {
-        *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16 * h)));
-        *m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 32 + 16 * h)));
-    } else {
-        *d = _mm256_loadu_ps((const float *)(s + 32 * h));
-        *m = _mm256_loadu_ps((const float *)(s + 64 + 32 * h));
+/* the chunk's codes of outputs 8h..8h+7 */
+AVX2_ATTR static inline void avx2_unpack(const uint8_t *p, int bits, int h, __m256i q[8]) {
+#define HALF(offset) _mm256_loadu_si256((const __m256i *)(p + (offset) + 32 * h))
+    if (bits == 8) {
+        for (int v = 0; v < 8; v++) q[v] = _mm256_xor_si256(HALF(64 * v), _mm256_set1_epi8(-128));
+        return;
+    }
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int v = 0; v < 4; v++) {
+        __m256i b = HALF(64 * v);
+        q[2 * v] = _mm256_and_si256(b, low);
+        q[2 * v + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+    }
+    if (bits == 5) {
+        __m256i hb = HALF(256), bit = _mm256_set1_epi8(16);
+        for (int g = 0; g < 8; g++)
+            q[g] = _mm256_or_si256(q[g], _mm256_and_si256(AVX2_SHIFT(hb, 4 - g), bit));
+    } else if (bits == 6) {
+        __m256i pair = _mm256_set1_epi8(48);
+        for (int g = 0; g < 8; g++)
+            q[g] = _mm256_or_si256(
+                q[g], _mm256_and_si256(AVX2_SHIFT(HALF(256 + 64 * (g / 4)), 4 - 2 * (g % 4)), pair));
+    }
+#undef HALF
+}
+
+/* the dot products of a row's 32 inputs with 8 outputs' codes: s[0] over all 32 (s[1] 0),
+ * or for 6-bit codes s[0] over the first 16 and s[1] over the second */
+AVX2_ATTR static inline void avx2_dots(const __m256i q[8], const int8_t *xr, int bits,
+                                       __m256i s[2]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    int per = bits == 4 ? 8 : bits == 5 ? 4 : bits == 6 ? 2 : 1; /* groups summed in 16 bits */
+    s[0] = s[1] = _mm256_setzero_si256();
+    __m256i t = _mm256_setzero_si256();
+    for (int g = 0; g < 8; g++) {
+        int32_t four;
+        memcpy(&four, xr + 4 * g, 4);
+        __m256i x4 = _mm256_set1_epi32(four);
+        __m256i pairs = bits == 8 ? _mm256_maddubs_epi16(_mm256_abs_epi8(q[g]),
+                                                         _mm256_sign_epi8(x4, q[g]))
+                                  : _mm256_maddubs_epi16(q[g], x4);
+        t = _mm256_add_epi16(t, pairs);
+        if ((g + 1) % per == 0) {
+            int c = bits == 6 ? g / 4 : 0;
+            s[c] = _mm256_add_epi32(s[c], _mm256_madd_epi16(t, ones));
+            t = _mm256_setzero_si256();
+        }
     }
 }
 
@@ -234,51 +325,39 @@ AVX2_ATTR static inline void avx2_scales(const QWeight *w, const uint8_t *s, int
         const uint8_t *p = w->packed + ob * nk * cb;                                          \
         __m256 acc[ROWS][2];                                                                  \
         for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();           \
-        const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);                \
         for (int64_t kb = 0; kb < nk; kb++, p += cb)                                          \
             for (int h = 0; h < 2; h++) {                                                     \
                 __m256i q[8];                                                                 \
-                if (BITS == 4)                                                                \
-                    for (int v = 0; v < 4; v++) {                                             \
-                        __m256i b = _mm256_loadu_si256((const __m256i *)(p + 64 * v + 32 * h)); \
-                        q[2 * v] = _mm256_and_si256(b, low);                                  \
-                        q[2 * v + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);        \
-                    }                                                                         \
-                else                                                                          \
-                    for (int v = 0; v < 8; v++)                                               \
-                        q[v] = _mm256_xor_si256(                                              \
-                            _mm256_loadu_si256((const __m256i *)(p + 64 * v + 32 * h)),       \
-                            _mm256_set1_epi8((char)0x80));                                    \
+                avx2_unpack(p, BITS, h, q);                                                   \
+                const uint8_t *sc = p + code_bytes(BITS);                                     \
                 __m256 d, m;                                                                  \
-                avx2_scales(w, p + BITS * 64, h, &d, &m);                                     \
+                if (!w->half_scales) { /* 6 bits: m holds the second half's scales */         \
+                    d = _mm256_loadu_ps((const float *)(sc + 32 * h));                        \
+                    m = _mm256_loadu_ps((const float *)(sc + 64 + 32 * h));                   \
+                } else {                                                                      \
+                    d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 16 * h)));     \
+                    m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 32 + 16 * h))); \
+                }                                                                             \
+                if (BITS != 6 && w->zero) m = _mm256_mul_ps(d, _mm256_set1_ps(-(float)w->zero)); \
                 if (BITS == 8) m = _mm256_fmadd_ps(d, _mm256_set1_ps(128.0f), m);             \
                 UNROLL for (int r = 0; r < ROWS; r++) {                                       \
-                    const int8_t *xr = j->xq + (m0 + r) * w->in + kb * QK;                    \
-                    __m256i s;                                                                \
-                    if (BITS == 4) {                                                          \
-                        __m256i t = _mm256_setzero_si256();                                   \
-                        for (int g = 0; g < 8; g++) {                                         \
-                            int32_t four;                                                     \
-                            memcpy(&four, xr + 4 * g, 4);                                     \
-                            t = _mm256_add_epi16(                                             \
-                                t, _mm256_maddubs_epi16(q[g], _mm256_set1_epi32(four)));      \
-                        }                                                                     \
-                        s = _mm256_madd_epi16(t, ones);                                       \
-                    } else {                                                                  \
-                        s = _mm256_setzero_si256();                                           \
-                        for (int g = 0; g < 8; g++) {                                         \
-                            int32_t four;                                                     \
-                            memcpy(&four, xr + 4 * g, 4);                                     \
-                            __m256i x4 = _mm256_set1_epi32(four);                             \
-                            __m256i t = _mm256_maddubs_epi16(_mm256_abs_epi8(q[g]),           \
-                                                             _mm256_sign_epi8(x4, q[g]));     \
-                            s = _mm256_add_epi32(s, _mm256_madd_epi16(t, ones));              \
-                        }                                                                     \
-                    }                                                                         \
+                    __m256i s[2];                                                             \
+                    avx2_dots(q, j->xq + (m0 + r) * w->in + kb * QK, BITS, s);                \
                     int64_t at = (m0 + r) * nk + kb;                                          \
-                    __m256 dd = _mm256_mul_ps(d, _mm256_set1_ps(j->dx[at]));                  \
-                    acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dd, acc[r][h]);        \
-                    acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(j->sx[at]), acc[r][h]);     \
+                    __m256 dx = _mm256_set1_ps(j->dx[at]);                                    \
+                    if (BITS == 6) {                                                          \
+                        for (int c = 0; c < 2; c++) {                                         \
+                            __m256i off = _mm256_set1_epi32(w->zero * j->halves[2 * at + c]); \
+                            __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(s[c], off));       \
+                            acc[r][h] = _mm256_fmadd_ps(f, _mm256_mul_ps(c ? m : d, dx),      \
+                                                        acc[r][h]);                           \
+                        }                                                                     \
+                    } else {                                                                  \
+                        __m256 f = _mm256_cvtepi32_ps(s[0]);                                  \
+                        acc[r][h] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, dx), acc[r][h]);      \
+                        acc[r][h] =                                                           \
+                            _mm256_fmadd_ps(m, _mm256_set1_ps(j->sx[at]), acc[r][h]);         \
+                    }                                                                         \
                 }                                                                             \
             }                                                                                 \
         for (int r = 0; r < ROWS; r++) {                                                      \
@@ -289,17 +368,17 @@ AVX2_ATTR static inline void avx2_scales(const QWeight *w, const uint8_t *s, int
         }                                                                                     \
     }
 
-AVX2_TILE_FN(4, 1)
-AVX2_TILE_FN(4, 2)
-AVX2_TILE_FN(4, 3)
-AVX2_TILE_FN(4, 4)
-AVX2_TILE_FN(8, 1)
-AVX2_TILE_FN(8, 2)
-AVX2_TILE_FN(8, 3)
-AVX2_TILE_FN(8, 4)
-
-static const tile_fn AVX2_4[AVX2_TILE + 1] = {NULL, avx2_4_1, avx2_4_2, avx2_4_3, avx2_4_4};
-static const tile_fn AVX2_8[AVX2_TILE + 1] = {NULL, avx2_8_1, avx2_8_2, avx2_8_3, avx2_8_4};
+#define AVX2_TILES(BITS)                                                                      \
+    AVX2_TILE_FN(BITS, 1)                                                                     \
+    AVX2_TILE_FN(BITS, 2)                                                                     \
+    AVX2_TILE_FN(BITS, 3)                                                                     \
+    AVX2_TILE_FN(BITS, 4)                                                                     \
+    static const tile_fn AVX2_##BITS[AVX2_TILE + 1] = {NULL, avx2_##BITS##_1, avx2_##BITS##_2, \
+                                                       avx2_##BITS##_3, avx2_##BITS##_4};
+AVX2_TILES(4)
+AVX2_TILES(5)
+AVX2_TILES(6)
+AVX2_TILES(8)
 
 /* ---- the path, and the product ---- */
 
@@ -327,15 +406,17 @@ int qgemm(const QWeight *w, const float *x, float *y, int64_t rows, int threads)
     int64_t nk = w->in / QK, blocks = (w->out + QO - 1) / QO;
     int8_t *xq = malloc(rows * w->in);
     float *dx = malloc(sizeof(float) * rows * nk), *sx = malloc(sizeof(float) * rows * nk);
-    if (!xq || !dx || !sx) {
-        free(xq), free(dx), free(sx);
+    int32_t *halves = malloc(sizeof(int32_t) * rows * nk * 2);
+    if (!xq || !dx || !sx || !halves) {
+        free(xq), free(dx), free(sx), free(halves);
         return -1;
     }
-    quantize_rows(x, rows, w->in, xq, dx, sx);
-    Job j = {w, xq, dx, sx, y, rows};
-    int tile = path == QPATH_VNNI512 ? VNNI_TILE : AVX2_TILE;
-    const tile_fn *fns = path == QPATH_VNNI512 ? (w->bits == 4 ? VNNI4 : VNNI8)
-                                               : (w->bits == 4 ? AVX2_4 : AVX2_8);
+    quantize_rows(x, rows, w->in, xq, dx, sx, halves);
+    Job j = {w, xq, dx, sx, halves, y, rows};
+    int vnni = path == QPATH_VNNI512, tile = vnni ? VNNI_TILE : AVX2_TILE;
+    const tile_fn *by_bits[9] = {[4] = vnni ? VNNI_4 : AVX2_4, [5] = vnni ? VNNI_5 : AVX2_5,
+                                 [6] = vnni ? VNNI_6 : AVX2_6, [8] = vnni ? VNNI_8 : AVX2_8};
+    const tile_fn *fns = by_bits[w->bits];
     int64_t tiles = (rows + tile - 1) / tile;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t ob = 0; ob < blocks; ob++)
@@ -344,6 +425,6 @@ int qgemm(const QWeight *w, const float *x, float *y, int64_t rows, int threads)
             fns[n](&j, ob, m0);
             m0 += n;
         }
-    free(xq), free(dx), free(sx);
+    free(xq), free(dx), free(sx), free(halves);
     return 0;
 }

@@ -9,13 +9,17 @@
 enum { QPATH_NONE = 0, QPATH_AVX2 = 1, QPATH_VNNI512 = 2 };
 
 /* A packed weight [O, I] (models/quant.py: pack): for each block of 16 outputs and each 32
- * inputs, a chunk of the codes (4 or 8 bits), then 16 scales d and 16 offsets m (float16 or
- * float32): w = d * code + m. */
+ * inputs, a chunk of the codes (4, 5, 6 or 8 bits), then 16 scales d and, unless the offset
+ * is implied (m = -zero d), 16 offsets m (float16 or float32): w = d * code + m. 6-bit codes
+ * have a scale each 16 inputs (two vectors of them) and zero 32. */
 typedef struct {
     const uint8_t *packed;
     const float *bias; /* [O] or NULL */
-    int64_t out, in, bits, half_scales;
+    int64_t out, in, bits, half_scales, zero;
 } QWeight;
+
+/* a weight's form as one int, as models/quant.py writes it: bits + 256 half + 65536 zero */
+QWeight qweight(const uint8_t *packed, const float *bias, int64_t out, int64_t in, int64_t form);
 
 /* y [M, O] = x [M, I] W^T (+ bias); the activations are quantized to int8 a row and 32
  * inputs at a time. 0, or -1 when out of memory (called without the GIL). */

@@ -1,18 +1,19 @@
 """Block-quantized weights at their own width: GGUF's block formats read into integer codes
-with a scale and an offset a block of 32 inputs (w = d * code + m, exactly the values the
-format stores), and packed in the layout of the native products (models/quant.c).
+with a scale and an offset a block of 32 inputs, or 16 for Q6_K (w = d * code + m, exactly
+the values the format stores), and packed in the layout of the native products
+(models/quant.c).
 
-Q4_0, Q4_1 and Q4_K keep 4-bit codes; Q8_0 and Q5_0 take 8 bits (Q5_0's fifth bit makes
-its codes 0..31). The legacy types' scales and offsets are float16 as in the file (their
-offsets, -8 d, -16 d, -128 d, are exact in float16), Q4_K's are float32 (a sub-block's
-d * scale is exact there, not in float16). Types without codes here (Q6_K's sub-blocks of
-16 inputs, Q5_K, the IQ types) are dequantized by the loader (models/gguf.py) and named in
-the start log.
+Codes keep their width: 4 bits (Q4_0, Q4_1, Q4_K), 5 (Q5_0), 6 (Q6_K), 8 (Q8_0). The legacy
+types' scales and offsets are float16 as in the file (their offsets, -8 d, -16 d, -128 d, are
+exact in float16); the K types' are float32 (a sub-block's d * scale is exact there, not in
+float16), and Q6_K's offset is always -32 d. Types without codes here (Q5_K, Q2_K, Q3_K, the
+IQ types) are dequantized by the loader (models/gguf.py) and named in the start log.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -22,44 +23,66 @@ QK = 32  # inputs a block
 QO = 16  # outputs a block of the packed layout
 
 # the GGUF types read as codes; a tensor of any other quantized type is dequantized
-CODE_TYPES = (GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q8_0, GGML.Q4_K)
+CODE_TYPES = (GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q8_0, GGML.Q4_K, GGML.Q6_K)
 
 
 @dataclass(frozen=True)
 class Codes:
-    """A weight [O, I] as w = d * code + m, a scale and an offset each output and 32 inputs."""
+    """A weight [O, I] as w = d * code + m, a scale and an offset each output and `block`
+    inputs."""
 
     codes: torch.Tensor  # [O, I] uint8, below 2**bits
-    d: torch.Tensor  # [O, I / 32] float32
-    m: torch.Tensor  # [O, I / 32] float32
-    bits: int  # 4 or 8
+    d: torch.Tensor  # [O, I / block] float32
+    m: torch.Tensor  # [O, I / block] float32
+    bits: int  # 4, 5, 6 or 8
     half: bool  # d and m exact in float16
+    block: int = QK  # 16 for 6-bit codes (Q6_K), else 32
+    zero: int = 0  # m = -zero d (Q4_0 8, Q5_0 16, Q6_K 32, Q8_0 128), not stored; 0: m stored
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.codes.shape[0], self.codes.shape[1])
 
+    @property
+    def form(self) -> int:
+        return form(self.bits, self.half, self.zero)
+
     def dequantize(self) -> torch.Tensor:
         """[O, I] float32."""
-        d = self.d.repeat_interleave(QK, 1)
-        m = self.m.repeat_interleave(QK, 1)
+        d = self.d.repeat_interleave(self.block, 1)
+        m = self.m.repeat_interleave(self.block, 1)
         return self.codes.float() * d + m
 
     def rows(self, ids: torch.Tensor) -> Codes:
         """The outputs `ids` (a permutation, a slice)."""
-        return Codes(self.codes[ids], self.d[ids], self.m[ids], self.bits, self.half)
+        return replace(self, codes=self.codes[ids], d=self.d[ids], m=self.m[ids])
 
 
-def cat(parts: list[Codes]) -> Codes:
+def form(bits: int, half: bool, zero: int) -> int:
+    """A packed weight's form as quant.c's qweight reads it."""
+    return bits + 256 * half + 65536 * zero
+
+
+def cat(parts: list[Codes]) -> Codes | None:
     """Weights stacked along their outputs (q|k|v, gate|up), at the widest of their forms:
-    4-bit codes go to 8 bits and float16 scales to float32 where the parts differ, both
-    exact."""
+    narrower codes go to 8 bits, float16 scales to float32 and implied offsets to stored ones
+    where the parts differ, all exact; None where a part's form has no wider one (6-bit codes
+    beside others)."""
+    if len(parts) == 1:
+        return parts[0]
+    forms = {(p.bits, p.block) for p in parts}
+    if len(forms) > 1 and any(bits == 6 for bits, _ in forms):
+        return None
+    bits = next(iter(forms))[0] if len(forms) == 1 else 8
+    zeros = {p.zero for p in parts}
     return Codes(
         torch.cat([p.codes for p in parts]),
         torch.cat([p.d for p in parts]),
         torch.cat([p.m for p in parts]),
-        max(p.bits for p in parts),
+        bits,
         all(p.half for p in parts),
+        parts[0].block,
+        zeros.pop() if len(zeros) == 1 else 0,
     )
 
 
@@ -76,12 +99,13 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 def codes_of(raw: np.ndarray, kind: GGML, inputs: int) -> Codes:
     """A GGUF tensor's bytes [O, bytes a row] of a type in CODE_TYPES as Codes."""
     rows = raw.shape[0]
-    blocks = raw.reshape(rows, inputs // QK if kind != GGML.Q4_K else inputs // 256, -1)
-    half = True
+    super_block = kind in (GGML.Q4_K, GGML.Q6_K)
+    blocks = raw.reshape(rows, inputs // (256 if super_block else QK), -1)
+    half, block, zero = True, QK, 0
     if kind == GGML.Q4_0:
         d = _half(blocks[..., 0:2].copy())[..., 0]
         codes, m = _nibbles(blocks[..., 2:18]), -8 * d
-        bits = 4
+        bits, zero = 4, 8
     elif kind == GGML.Q4_1:
         d, m = _half(blocks[..., 0:2].copy())[..., 0], _half(blocks[..., 2:4].copy())[..., 0]
         codes, bits = _nibbles(blocks[..., 4:20]), 4
@@ -89,14 +113,17 @@ def codes_of(raw: np.ndarray, kind: GGML, inputs: int) -> Codes:
         d = _half(blocks[..., 0:2].copy())[..., 0]
         high = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")  # [.., 32] bit i
         codes, m = _nibbles(blocks[..., 6:22]) | (high << 4), -16 * d
-        bits = 8
+        bits, zero = 5, 16
     elif kind == GGML.Q8_0:
         d = _half(blocks[..., 0:2].copy())[..., 0]
         codes = (blocks[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        m, bits = -128 * d, 8
+        m, bits, zero = -128 * d, 8, 128
     elif kind == GGML.Q4_K:
         codes, d, m = _q4_k(blocks)
         bits, half = 4, False
+    elif kind == GGML.Q6_K:
+        codes, d = _q6_k(blocks)
+        m, bits, half, block, zero = -32 * d, 6, False, 16, 32
     else:
         raise ValueError(f"no codes for GGUF type {kind.name}")
     return Codes(
@@ -105,7 +132,23 @@ def codes_of(raw: np.ndarray, kind: GGML, inputs: int) -> Codes:
         torch.from_numpy(np.ascontiguousarray(m, dtype=np.float32).reshape(rows, -1)),
         bits,
         half,
+        block,
+        zero,
     )
+
+
+def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K super-blocks [O, n, 210] (128 bytes of low nibbles, 64 of high bit pairs, 16 int8
+    scales, d) -> codes [O, n, 256] and d [O, n, 16]: w = d sc (q - 32) each 16 inputs."""
+    lead = blocks.shape[:-1]
+    ql = blocks[..., 0:128].reshape(*lead, 2, 64)  # two halves of 128 inputs
+    qh = blocks[..., 128:192].reshape(*lead, 2, 32)
+    low = np.stack([ql & 15, ql >> 4], -2).reshape(*lead, 2, 4, 32)  # [.., half, quarter, 32]
+    high = np.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], -2)  # [.., half, quarter, 32]
+    codes = (low | (high << 4)).reshape(*lead, 256)
+    scales = blocks[..., 192:208].view(np.int8).astype(np.float32)
+    d = _half(blocks[..., 208:210].copy())
+    return codes, d * scales
 
 
 def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -123,23 +166,78 @@ def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def pack(c: Codes) -> torch.Tensor:
     """The packed layout of models/quant.c: for each 16 outputs (zero-padded) and 32 inputs,
-    the codes (4-bit: four 64-byte vectors, vector j with inputs 8j..8j+3 in the low nibbles
-    and 8j+4..8j+7 in the high; 8-bit: eight, vector g with inputs 4g..4g+3; output o's four in
-    bytes 4o..4o+3), then the 16 scales, then the 16 offsets. [bytes] uint8."""
+    a chunk of the codes, output o's four inputs of group g (inputs 4g..4g+3) in bytes
+    4o..4o+3 of a 64-byte vector: 8-bit codes in eight vectors, vector g group g's; narrower
+    ones' low nibbles in four (vector j: group 2j in the low nibbles, 2j + 1 in the high),
+    then 5 bits: one vector of fifth bits (bit g: group g's), 6 bits: two of the fifth and
+    sixth (vector h, bits 2i and 2i + 1: group 4h + i's); then the 16 scales and, unless
+    implied (zero), the 16 offsets (6 bits: the two 16-input halves' scales). [bytes]."""
     out, inp = c.shape
     pad = -out % QO
     codes, d, m = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (c.codes, c.d, c.m))
     ob, nk = (out + pad) // QO, inp // QK
-    q = codes.view(ob, QO, nk, 8, 4)  # output block, output, block, group of 4, input
-    if c.bits == 4:
-        q = q[:, :, :, 0::2] | (q[:, :, :, 1::2] << 4)
-    q = q.permute(0, 2, 3, 1, 4).reshape(ob, nk, -1)
+    q = codes.view(ob, QO, nk, 8, 4).permute(0, 2, 3, 1, 4)  # [ob, block, group, output, 4]
+    planes = [q] if c.bits == 8 else [(q[:, :, 0::2] & 15) | ((q[:, :, 1::2] & 15) << 4)]
+    high = (q >> 4).to(torch.int32)  # the fifth (and sixth) bits
+    if c.bits == 5:  # bit g: group g's
+        planes.append((high << torch.arange(8).view(1, 1, 8, 1, 1)).sum(2, keepdim=True))
+    if c.bits == 6:  # vector h, bits 2i, 2i + 1: group 4h + i's
+        shifts = (2 * torch.arange(4)).view(1, 1, 1, 4, 1, 1)
+        pairs = high.view(ob, nk, 2, 4, QO, 4) << shifts
+        planes.append(pairs.sum(3))
+    if c.zero and not torch.equal(m, -c.zero * d):
+        raise ValueError(f"codes with zero {c.zero} take the offset -{c.zero} d")
+    if c.bits == 6 and (c.block, c.zero) != (16, 32):
+        raise ValueError("6-bit codes come as Q6_K's: a scale each 16 inputs, zero 32")
     dtype = torch.float16 if c.half else torch.float32
-    scales = [t.to(dtype).view(ob, QO, nk).transpose(1, 2).contiguous() for t in (d, m)]
-    return torch.cat([q, *(s.view(torch.uint8).reshape(ob, nk, -1) for s in scales)], -1).view(-1)
+    if c.bits == 6:  # the halves' scales
+        scales = [d.to(dtype).view(ob, QO, nk, 2).permute(0, 2, 3, 1).reshape(ob, nk, 2 * QO)]
+    else:
+        scales = [t.to(dtype).view(ob, QO, nk).transpose(1, 2) for t in (d, m)[: 2 - bool(c.zero)]]
+    parts = [p.reshape(ob, nk, -1).to(torch.uint8) for p in planes]
+    parts += [s.contiguous().view(torch.uint8).reshape(ob, nk, -1) for s in scales]
+    return torch.cat(parts, -1).view(-1)
 
 
 def exact_in_half(c: Codes) -> bool:
     """Whether float16 holds the scales and offsets exactly (the legacy types' always do,
     but for an overflow)."""
     return all(bool((t.to(torch.float16).float() == t).all()) for t in (c.d, c.m))
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A weight in the layout of the native products, with what they need to read it."""
+
+    data: torch.Tensor  # [bytes] uint8 (pack)
+    shape: tuple[int, int]  # O, I
+    form: int  # quant.c's qweight: bits, float16 scales, zero
+
+
+def packed(c: Codes) -> Packed:
+    """c packed, its scales in float16 where they are exact there (else float32)."""
+    if c.half and not exact_in_half(c):
+        c = replace(c, half=False)
+    return Packed(pack(c), c.shape, c.form)
+
+
+PACK_ROWS = 4096  # outputs read and packed at a time: a large table's temporaries stay small
+
+
+def packed_rows(
+    read: Callable[[int, int], np.ndarray], rows: int, kind: GGML, inputs: int
+) -> Packed:
+    """A tensor's codes packed PACK_ROWS outputs at a time (whole output blocks, which pack
+    alone: the layout goes block after block) into one buffer; `read(start, stop)`: the
+    tensor's bytes of those outputs."""
+    data, at, forms = None, 0, set[int]()
+    for start in range(0, rows, PACK_ROWS):
+        part = packed(codes_of(read(start, start + PACK_ROWS), kind, inputs))
+        if data is None:  # every part packs PACK_ROWS / 16 blocks of this size, the last fewer
+            per_block = part.data.numel() // -(-part.shape[0] // QO)
+            data = torch.empty(-(-rows // QO) * per_block, dtype=torch.uint8)
+        data[at : at + part.data.numel()] = part.data
+        at, forms = at + part.data.numel(), forms | {part.form}
+    if data is None or len(forms) > 1:  # a part's scales overflowed float16: all float32
+        return packed(replace(codes_of(read(0, rows), kind, inputs), half=False))
+    return Packed(data, (rows, inputs), forms.pop())

@@ -25,28 +25,27 @@ from tests.engine_util import make_config, running
 from tests.tiny import QUANT_MIX, write_gguf
 
 T = gguf.GGMLQuantizationType
+K_SCALES = {T.Q4_K: (0, 4), T.Q6_K: (208, 210)}  # where a K type's float16 scales sit
 NATIVE_PATHS = [p for p in ("vnni512", "avx2") if native.available()]
 
 
 def random_blocks(kind: T, rows: int, inputs: int, seed: int, extreme: bool = False) -> np.ndarray:
     """A tensor's bytes [rows, bytes a row] of `kind`: quantized from random weights where
-    the library can, else random bytes with finite float16 scales. `extreme`: the weights
-    (or scales) span from subnormal to near float16's largest."""
+    the library can, else (K types) random bytes with finite float16 scales. `extreme`: the
+    weights (or scales) span from subnormal to near float16's largest."""
     rng = np.random.default_rng(seed)
-    if kind != T.Q4_K:
+    if kind not in K_SCALES:
         w = rng.standard_normal((rows, inputs)).astype(np.float32)
         if extreme:  # each block's magnitude its own, 1e-6 .. 1e3
-            w *= (
-                (10.0 ** rng.uniform(-6, 3, (rows, inputs // QK, 1)))
-                .repeat(QK, -1)
-                .reshape(w.shape)
-            )
+            magnitudes = 10.0 ** rng.uniform(-6, 3, (rows, inputs // QK, 1))
+            w = (w.reshape(rows, -1, QK) * magnitudes).reshape(rows, inputs).astype(np.float32)
         return gguf.quants.quantize(w, kind)
     block, size = gguf.GGML_QUANT_SIZES[kind]
     raw = rng.integers(0, 256, (rows, inputs // block, size), dtype=np.uint8)
+    start, end = K_SCALES[kind]
     low, high = (-24, 5) if extreme else (-12, -4)
-    scales = (2.0 ** rng.uniform(low, high, (rows, inputs // block, 2))).astype(np.float16)
-    raw[..., 0:4] = scales.view(np.uint8).reshape(rows, inputs // block, 4)
+    scales = 2.0 ** rng.uniform(low, high, (rows, inputs // block, (end - start) // 2))
+    raw[..., start:end] = scales.astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
 
 
@@ -77,7 +76,7 @@ def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def product(codes: Codes, x: torch.Tensor, path: str, monkeypatch) -> torch.Tensor:
     monkeypatch.setenv(native.QUANT_PATH_ENV, path)
     assert native.quant_path() == path
-    return native.qlinear(x, pack(codes), codes.shape, codes.bits, codes.half)
+    return native.qlinear(x, pack(codes), codes.shape, codes.form)
 
 
 def require(path: str) -> None:
@@ -117,7 +116,7 @@ def test_the_products_equal_dequantize_then_multiply_within_the_bound(
 @pytest.mark.parametrize("path", NATIVE_PATHS)
 def test_a_rows_result_is_the_same_whatever_rows_are_beside_it(path, monkeypatch):
     require(path)
-    for kind in (T.Q4_1, T.Q8_0, T.Q4_K):
+    for kind in CODE_TYPES:
         codes = codes_of(random_blocks(kind, 50, 256, seed=4), kind, 256)
         x = torch.randn(64, 256, generator=torch.Generator().manual_seed(5))
         alone = torch.cat([product(codes, x[i : i + 1], path, monkeypatch) for i in range(64)])
@@ -133,17 +132,17 @@ def test_the_paths_agree_with_each_other_up_to_float_rounding(path, monkeypatch)
     x = torch.randn(7, 512, generator=torch.Generator().manual_seed(7))
     got = product(codes, x, path, monkeypatch)
     monkeypatch.setenv(native.QUANT_PATH_ENV, "auto")
-    best = native.qlinear(x, pack(codes), codes.shape, codes.bits, codes.half)
+    best = native.qlinear(x, pack(codes), codes.shape, codes.form)
     torch.testing.assert_close(got, best, rtol=1e-5, atol=1e-5)
 
 
 def test_an_embeddings_rows_come_back_exactly(monkeypatch):
     if not NATIVE_PATHS:
         pytest.skip("the native kernels did not build")
-    for kind in (T.Q8_0, T.Q4_K, T.Q5_0):
+    for kind in CODE_TYPES:
         codes = codes_of(random_blocks(kind, 37, 256, seed=8), kind, 256)
         ids = torch.tensor([[0, 36], [17, 17]])
-        rows = native.qrows(ids, pack(codes), codes.shape, codes.bits, codes.half)
+        rows = native.qrows(ids, pack(codes), codes.shape, codes.form)
         assert torch.equal(rows, codes.dequantize()[ids])
 
 
@@ -152,8 +151,11 @@ def test_stacked_weights_of_two_forms_keep_their_values():
     a = codes_of(random_blocks(T.Q4_K, 16, 256, seed=9), T.Q4_K, 256)
     b = codes_of(random_blocks(T.Q8_0, 8, 256, seed=10), T.Q8_0, 256)
     both = cat([a, b])
-    assert (both.bits, both.half) == (8, False)
+    assert both is not None
+    assert (both.bits, both.half, both.zero) == (8, False, 0)  # the offsets stored
     assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    six = codes_of(random_blocks(T.Q6_K, 16, 256, seed=11), T.Q6_K, 256)
+    assert cat([a, six]) is None  # Q6_K's scales each 16 inputs: no common form
 
 
 def test_a_forced_path_the_cpu_lacks_is_refused(monkeypatch):
