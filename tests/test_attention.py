@@ -71,7 +71,9 @@ def run_case(
     """`dtype`: the cache's; the reference reads the keys and values as it keeps them."""
     gen = torch.Generator().manual_seed(seed)
     batch = Batch(seqs, page_size, seed)
-    cache = KVCache(LAYERS, NUM_PAGES, page_size, num_kv_heads, HEAD_DIM, dtype)
+    cache = KVCache(
+        LAYERS, NUM_PAGES, page_size, num_kv_heads, HEAD_DIM, dtype, queries=torch.float32
+    )
     cache.data.copy_(torch.randn(cache.data.shape, generator=gen) * 10)  # noise
     # every sequence's keys in logical order, context then this forward's tokens
     shape = (LAYERS, sum(s.kv_len for s in seqs), num_kv_heads, HEAD_DIM)
