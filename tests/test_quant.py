@@ -7,6 +7,9 @@ beside it."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import gguf
 import numpy as np
 import pytest
@@ -16,7 +19,7 @@ from bench.common import paged_attention
 from models import native
 from models.attention import CausalAttention
 from models.checkpoint import CheckpointError
-from models.gguf import served_dequantized
+from models.gguf import packaged_smollm2, served_dequantized
 from models.linear import QuantLinear, held_bytes
 from models.llama import prepare_for_inference
 from models.loader import load_model
@@ -279,3 +282,23 @@ async def test_the_start_log_and_metrics_say_how_the_weights_are_served(
     assert "served dequantized (no kernel for their types): blk.0.ffn_down.weight (IQ4_NL)" in (
         caplog.text
     )
+
+
+LOAD_PEAK = """
+import resource, sys, torch
+import models.gguf, models.llama, models.loader
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+model = models.loader.load_model(sys.argv[1], quantized=True)
+models.llama.prepare_for_inference(model)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+@pytest.mark.slow
+def test_loading_smollm2_streams_its_file():
+    """The peak resident growth while loading and preparing the shipped file stays within
+    the file's size plus 300 MB (the loader once built a float32 copy first)."""
+    path = packaged_smollm2()
+    out = subprocess.run([sys.executable, "-c", LOAD_PEAK, str(path)], capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    assert int(out.stdout.split()[-1]) <= path.stat().st_size + 300 * 2**20
