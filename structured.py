@@ -15,6 +15,7 @@ Grammar, compiled by the engine), and forced tool calls in OpenAI's shapes.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,9 @@ from core.params import Grammar
 
 JSON = dict[str, Any]
 MAX_CHOICES = 1024
+# a "required" call's text cut short: its name (closed or not), then its arguments so far
+PARTIAL_NAME = re.compile(r'\{\s*"name"\s*:\s*"(?P<name>(?:[^"\\]|\\.)*)(?P<closed>")?')
+PARTIAL_ARGUMENTS = re.compile(r'"\s*,\s*"arguments"\s*:\s*(?P<arguments>.*)\Z', re.S)
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}  # fmt: skip
 KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf"}
@@ -39,20 +43,36 @@ class StructuredError(ValueError):
 @dataclass(frozen=True)
 class ToolChoice:
     """A forced tool call: `name` the function called, or None for "required" (any of the
-    request's tools: the output names it)."""
+    request's tools, `names`: the output names it)."""
 
     name: str | None
+    names: tuple[str, ...] = ()
 
     def calls(self, text: str) -> list[JSON]:
-        """OpenAI's `tool_calls` for the whole output (its arguments as the JSON text)."""
+        """OpenAI's `tool_calls` for the whole output (its arguments as the JSON text). A
+        "required" call cut short by max_tokens keeps the name it got to and its partial
+        arguments."""
         name, arguments = self.name, text
         if name is None:
             try:
                 call = json.loads(text)
                 name, arguments = call["name"], json.dumps(call["arguments"])
-            except (ValueError, KeyError, TypeError):  # cut short by max_tokens
-                name, arguments = "", text
+            except (ValueError, KeyError, TypeError):  # cut short: {"name": "f", "argum...
+                cut, rest = PARTIAL_NAME.match(text), PARTIAL_ARGUMENTS.search(text)
+                name = ""
+                if cut:
+                    name = (
+                        json.loads(f'"{cut["name"]}"')
+                        if cut["closed"]
+                        else self._named(cut["name"])
+                    )
+                arguments = rest["arguments"] if rest else ""
         return [call_body(name, arguments)]
+
+    def _named(self, prefix: str) -> str:
+        """The tool a name cut short was naming, where only one starts so."""
+        named = [n for n in self.names if n.startswith(prefix)]
+        return named[0] if len(named) == 1 else prefix
 
 
 def call_body(name: str, arguments: str) -> JSON:
@@ -97,6 +117,7 @@ def _response_format(value: JSON) -> Grammar | None:
             raise StructuredError(
                 "response_format", "json_schema must be an object with a 'schema' object"
             )
+        check_schema(spec.get("schema", {}), "response_format")
         return Grammar("json_schema", _dump(spec.get("schema", {})))
     raise StructuredError(
         "response_format", "response_format's type must be text, json_object or json_schema"
@@ -110,7 +131,13 @@ def _structured(value: Any, param: str = "structured_outputs") -> Grammar:
     if key == "json":
         if type(source) is not dict and not isinstance(source, str):
             raise StructuredError(param, "a JSON schema must be an object (or its text)")
-        return Grammar("json_schema", source if isinstance(source, str) else _dump(source))
+        if isinstance(source, str):
+            try:
+                source = json.loads(source)
+            except ValueError:
+                raise StructuredError(param, "a JSON schema's text must be JSON") from None
+        check_schema(source, param)
+        return Grammar("json_schema", _dump(source))
     if key == "choice":
         ok = type(source) is list and 0 < len(source) <= MAX_CHOICES
         if not ok or not all(isinstance(c, str) and c for c in source):
@@ -126,6 +153,8 @@ def _structured(value: Any, param: str = "structured_outputs") -> Grammar:
 def _tools(tools: list[JSON], choice: Any) -> tuple[Grammar | None, ToolChoice | None]:
     """The grammar of a forced call among `tools` (checked by the route's table)."""
     by_name = {t["function"]["name"]: t["function"].get("parameters", {}) for t in tools}
+    for parameters in by_name.values():
+        check_schema(parameters, "tools")
     if choice == "none":
         return None, None
     if choice == "auto":
@@ -134,26 +163,89 @@ def _tools(tools: list[JSON], choice: Any) -> tuple[Grammar | None, ToolChoice |
             "tool_choice 'auto' is not supported (the model has no format for free tool "
             "calls): name a function, or use 'required'",
         )
-    if choice == "required":
+    if choice == "required":  # the name first: a call cut short still names its function
         calls = [
             {
                 "type": "object",
-                "properties": {"name": {"const": name}, "arguments": parameters},
+                "properties": {
+                    "name": {"const": name},
+                    "arguments": parameters or {"type": "object"},
+                },
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
             for name, parameters in by_name.items()
         ]
-        return Grammar("json_schema", _dump({"anyOf": calls})), ToolChoice(None)
+        grammar = Grammar("json_schema", _dump({"anyOf": calls}, ordered=True))
+        return grammar, ToolChoice(None, tuple(by_name))
     name = choice["function"]["name"]
     if name not in by_name:
         raise StructuredError("tool_choice", f"tool_choice names {name!r}, which is not a tool")
     return Grammar("json_schema", _dump(by_name[name] or {"type": "object"})), ToolChoice(name)
 
 
-def _dump(value: Any) -> str:
-    """A stable text of a JSON value: equal schemas hit the same compiled grammar."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+# JSON Schema keywords the grammar enforces exactly (each tested: outputs validate), by what
+# their values hold; every other keyword is refused by name, since xgrammar would drop it
+# silently. Annotations change nothing and pass.
+SUBSCHEMA = ("additionalProperties", "items", "propertyNames")  # a schema (or a boolean)
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
+SCHEMA_LISTS = ("anyOf", "allOf", "prefixItems")  # a list of schemas
+CHECKS = ("type", "enum", "const", "required", "multipleOf", "minimum", "maximum",
+          "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "pattern",
+          "minItems", "maxItems", "minProperties", "maxProperties", "$ref", "format")  # fmt: skip
+ANNOTATIONS = ("title", "description", "default", "examples", "deprecated", "readOnly",
+               "writeOnly", "$schema", "$id", "$comment", "strict")  # fmt: skip
+FORMATS = ("date-time", "uuid", "ipv6")  # formats whose every output validates (tested)
+KEYWORDS = frozenset(SUBSCHEMA + SCHEMA_MAPS + SCHEMA_LISTS + CHECKS + ANNOTATIONS)
+
+
+def check_schema(schema: Any, param: str, at: str = "#") -> None:
+    """A StructuredError naming the first keyword the grammar would not enforce (or the
+    reason the schema is unsatisfiable), found before any token is generated."""
+    if isinstance(schema, bool):  # false below the root: no extra items, no such property
+        if not schema and at == "#":
+            raise StructuredError(param, "the schema is false: nothing satisfies it")
+        return
+    if type(schema) is not dict:
+        raise StructuredError(param, f"the schema at {at} must be an object or a boolean")
+    absent = [n for n, sub in (schema.get("properties") or {}).items() if sub is False]
+    if set(absent) & set(schema.get("required") or []):
+        raise StructuredError(
+            param, f"the schema at {at} requires a property it forbids: nothing satisfies it"
+        )
+    for key, value in schema.items():
+        if key not in KEYWORDS and not key.startswith("x-"):
+            raise StructuredError(
+                param, f"the JSON Schema keyword {key!r} (at {at}) is not supported"
+            )
+        where = f"{at}/{key}"
+        if key in SUBSCHEMA:
+            check_schema(value, param, where)
+        elif key in SCHEMA_MAPS:
+            if type(value) is not dict:
+                raise StructuredError(param, f"{where} must be an object of schemas")
+            for name, sub in value.items():
+                check_schema(sub, param, f"{where}/{name}")
+        elif key in SCHEMA_LISTS:
+            if type(value) is not list or (key != "prefixItems" and not value):
+                raise StructuredError(param, f"{where} must be a non-empty list of schemas")
+            if key == "allOf" and len(value) > 1:
+                raise StructuredError(
+                    param,
+                    f"'allOf' of {len(value)} schemas (at {at}) is not supported: one at most",
+                )
+            for n, sub in enumerate(value):
+                check_schema(sub, param, f"{where}/{n}")
+        elif key == "format" and value not in FORMATS:
+            raise StructuredError(
+                param, f"the format {value!r} (at {at}) is not supported: {', '.join(FORMATS)}"
+            )
+
+
+def _dump(value: Any, ordered: bool = False) -> str:
+    """A stable text of a JSON value: equal schemas hit the same compiled grammar. `ordered`:
+    objects keep their keys' order (a grammar writes properties in the schema's order)."""
+    return json.dumps(value, sort_keys=not ordered, separators=(",", ":"))
 
 
 # ---- the route table's checks ----

@@ -18,8 +18,6 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"
     ERROR = "error"
-    # the grammar reached a state no token of the vocabulary continues: the output ends there
-    GRAMMAR = "grammar_dead_end"
 
 
 class Matcher(Protocol):

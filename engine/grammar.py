@@ -75,9 +75,24 @@ class Grammars:
 
     def _compile(self, grammar: Grammar) -> Any:
         try:
-            return _COMPILE[grammar.kind](self.compiler, grammar.source)
+            compiled = _COMPILE[grammar.kind](self.compiler, grammar.source)
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors on bad input
             raise InvalidRequest(f"invalid {grammar.kind}: {_first_line(e)}") from None
+        if _matches_nothing(compiled):
+            raise InvalidRequest(
+                f"the {grammar.kind} matches nothing: no text the model's vocabulary can "
+                "spell starts it"
+            )
+        return compiled
+
+
+def _matches_nothing(compiled: xgr.CompiledGrammar) -> bool:
+    """Whether the grammar allows no first token and is not complete empty (an empty
+    language, or one the vocabulary cannot spell: proven before any token is generated)."""
+    matcher = xgr.GrammarMatcher(compiled)
+    mask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(mask)
+    return not bool(mask.any()) and not matcher.is_terminated()
 
 
 class RequestMatcher(xgr.GrammarMatcher):

@@ -57,21 +57,12 @@ class OutputStream:
     def _finish_reason(self, token: int) -> FinishReason | None:
         params, request = self.params, self.request
         if token == self.eos or token in params.stop_token_ids:
-            return self._stop_reason(token)
+            return FinishReason.STOP  # a grammar's dead end too: it allows eos alone
         if len(request.output_ids) >= params.max_tokens:
             return FinishReason.LENGTH
         if request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
-
-    def _stop_reason(self, token: int) -> FinishReason:
-        """STOP, or GRAMMAR for eos that the grammar did not take: its dead end (no token of
-        the vocabulary continues it) allows eos alone (stages/grammar.py). Read once the
-        request has ended, when no step moves its matcher any more."""
-        matcher = self.request.matcher
-        if token == self.eos and matcher is not None and not matcher.is_terminated():
-            return FinishReason.GRAMMAR
-        return FinishReason.STOP
 
     def _text(self, tokens: list[int]) -> str:
         new = self.detokenizer.add(tokens)

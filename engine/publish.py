@@ -86,7 +86,8 @@ class Publisher:
             if plan.k:
                 accepted = outcome.accepted[i]
                 free = sum(forced[:accepted])  # accepted drafts the grammar forced
-                output.count_drafts(plan.num_drafts[i] - free, accepted - free)
+                if plan.num_drafts[i]:  # its own drafts: a batch-mate's speculation is not its
+                    output.count_drafts(plan.num_drafts[i] - free, accepted - free)
                 self.scheduler.observe(seq.request, plan.num_drafts[i], accepted)
             elif self.cost is not None and decode:  # the cost model chose k = 0
                 self.scheduler.observe(seq.request, None)

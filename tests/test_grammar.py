@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 
 import jsonschema
 import pytest
 import torch
 
+import structured
 from core.params import Grammar, InvalidRequest, SamplingParams, SamplingTensors
 from engine.grammar import Grammars
 from engine.request import FinishReason
@@ -74,6 +76,20 @@ SCHEMAS = [
      "maxItems": 2}}, "required": ["list"]},
     {"type": "object", "properties": {"b": {"type": "boolean"}, "n": {"type": "null"}},
      "required": ["b"], "additionalProperties": False},
+    # every other keyword the grammar enforces (structured.py: KEYWORDS)
+    {"type": "integer", "exclusiveMinimum": 3, "exclusiveMaximum": 9, "multipleOf": 2},
+    {"type": "object", "patternProperties": {"^[a-c]$": {"type": "boolean"}},
+     "additionalProperties": False, "minProperties": 1, "maxProperties": 2},
+    {"type": "object", "propertyNames": {"pattern": "^[ab]$"},
+     "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 5}, "maxProperties": 1},
+    {"type": "array", "prefixItems": [{"type": "boolean"}, {"const": 7}], "items": False,
+     "minItems": 2},
+    {"$defs": {"w": {"type": "string", "minLength": 2, "maxLength": 3}}, "title": "ref",
+     "description": "a reference", "allOf": [{"$ref": "#/$defs/w"}]},
+    {"definitions": {"n": {"type": ["integer", "null"], "minimum": 0, "maximum": 9}},
+     "type": "object", "properties": {"n": {"$ref": "#/definitions/n"}}, "required": ["n"]},
+    {"type": "object", "properties": {"id": {"type": "string", "format": "uuid"},
+     "at": {"type": "string", "format": "date-time"}}, "required": ["id"]},
 ]  # fmt: skip
 GRAMMARS = [Grammar("json_schema", json.dumps(s)) for s in SCHEMAS]
 GREEDY = SamplingParams(max_tokens=96, temperature=0)
@@ -280,13 +296,21 @@ async def test_sampled_outputs_under_a_grammar_validate(tiny_target, tiny_draft,
     check_outputs(await generate_all(dataclasses.replace(config, max_running=32), params))
 
 
-async def test_a_dead_end_says_so(tmp_path):
-    """A grammar no token of the vocabulary continues ends at once, with its own reason."""
+async def test_a_dead_end_ends_with_stop(tmp_path):
+    """A grammar no token of the vocabulary continues ends the output where it stands, with
+    OpenAI's `stop`; one that no token can even start is refused before generating."""
     target = write_model(tmp_path / "t", layers=1, hidden=16, seed=3, model_vocab=8)
     async with running(make_config(target)) as engine:
-        params = SamplingParams(max_tokens=8, temperature=0, grammar=Grammar("regex", "z+"))
+        allowed = engine.tokenizer.decode([5])  # a byte the 8-token vocabulary spells
+        dead_end = Grammar("regex", re.escape(allowed) + "z")
+        params = SamplingParams(max_tokens=8, temperature=0, grammar=dead_end)
         deltas = await engine.generate([1, 2], params)
-    assert deltas[-1].finish_reason == FinishReason.GRAMMAR
+        assert deltas[-1].finish_reason == FinishReason.STOP
+        assert "".join(d.text for d in deltas) == allowed  # the grammar's prefix, then nothing
+        with pytest.raises(InvalidRequest, match="matches nothing"):
+            await engine.generate(
+                [1, 2], dataclasses.replace(params, grammar=Grammar("regex", "z+"))
+            )
 
 
 # ---------------------------------------------------------------- the sampled law
@@ -395,3 +419,59 @@ def test_sampled_output_follows_the_masked_law(law_models, method, seeded):
     observed = asyncio.run(draws())
     assert_law(observed, expected, N)
     assert chi_square_p_value(observed, conditioned, N) < 1e-3  # whole outputs' law: refuted
+
+
+def test_the_schemas_cover_every_keyword_the_server_takes():
+    """Each keyword structured.py lets through is in a schema above, whose outputs the
+    tests of this file validate; the schemas pass the server's check."""
+    seen: set[str] = set()
+
+    def keys(node) -> None:
+        if isinstance(node, dict):
+            seen.update(k for k in node if k in structured.KEYWORDS)
+            for key, value in node.items():
+                if key not in ("properties", "patternProperties", "$defs", "definitions"):
+                    keys(value)
+                elif isinstance(value, dict):
+                    for sub in value.values():
+                        keys(sub)
+        elif isinstance(node, list):
+            for sub in node:
+                keys(sub)
+
+    for schema in SCHEMAS:
+        structured.check_schema(schema, "test")
+        keys(schema)
+    unused = set(structured.KEYWORDS) - seen - set(structured.ANNOTATIONS)
+    assert not unused
+
+
+CITY = {"type": "object", "properties": {"city": S}, "required": ["city"]}
+TOOLS = [
+    {"type": "function", "function": {"name": n, "parameters": CITY}}
+    for n in ("get_weather", "add")
+]
+
+
+def test_a_forced_call_writes_its_name_first(grammars):
+    grammar, _ = structured.grammar_of({"tools": TOOLS, "tool_choice": "required"})
+    assert grammar is not None
+    assert matcher(grammars, grammar).accept_string('{"name": "add", "arguments": {')
+    assert not matcher(grammars, grammar).accept_string('{"arguments"')
+
+
+@pytest.mark.parametrize(
+    "text, name, arguments",
+    [
+        ('{"name": "add", "arguments": {"city": "Par', "add", '{"city": "Par'),
+        ('{"name": "add", "argum', "add", ""),
+        ('{"name": "get_we', "get_weather", ""),  # the one tool whose name starts so
+        ('{"na', "", ""),
+        ('{"name": "add", "arguments": {"city": "x"}}', "add", '{"city": "x"}'),
+    ],
+)
+def test_a_forced_call_cut_short_keeps_its_name(text, name, arguments):
+    _, choice = structured.grammar_of({"tools": TOOLS, "tool_choice": "required"})
+    assert choice is not None
+    function = choice.calls(text)[0]["function"]
+    assert (function["name"], function["arguments"]) == (name, arguments)

@@ -157,6 +157,32 @@ HOSTILE: list[tuple[str, str, Any, int, str]] = [
      "choice": ["a"]}}, 400, "must hold one of"),
     ("grammar with ignore_eos", C, {"prompt": "a", "guided_regex": "a+", "ignore_eos": True},
      400, "ignore_eos"),
+    # a keyword the grammar would not enforce, or an unsatisfiable schema: refused by name,
+    # on both routes, streaming or not
+    ("schema not", CHAT, {"messages": USER, "response_format": {"type": "json_schema",
+     "json_schema": {"schema": {"not": {}}}}}, 400, "keyword 'not'"),
+    ("integer not integer", C, {"prompt": "a", "stream": True, "guided_json": {"type":
+     "integer", "not": {"type": "integer"}}}, 400, "keyword 'not'"),
+    ("allOf of two", C, {"prompt": "a", "guided_json": {"allOf": [{"type": "string"},
+     {"type": "integer"}]}}, 400, "'allOf' of 2"),
+    ("anyOf empty", C, {"prompt": "a", "structured_outputs": {"json": {"anyOf": []}}}, 400,
+     "non-empty list"),
+    ("oneOf", CHAT, {"messages": USER, "stream": True, "response_format": {"type":
+     "json_schema", "json_schema": {"schema": {"oneOf": [{"type": "integer"}]}}}}, 400,
+     "keyword 'oneOf'"),
+    ("uniqueItems", C, {"prompt": "a", "guided_json": {"type": "array", "uniqueItems": True}},
+     400, "keyword 'uniqueItems'"),
+    ("contains in tool", CHAT, {"messages": USER, "tool_choice": "required", "tools": [{"type":
+     "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"l":
+     {"type": "array", "contains": {"const": 1}}}}}}]}, 400, "keyword 'contains'"),
+    ("format date", C, {"prompt": "a", "guided_json": {"type": "string", "format": "date"}},
+     400, "format 'date'"),
+    ("false schema", C, {"prompt": "a", "guided_json": {"type": "object", "properties": {"a":
+     False}, "required": ["a"]}}, 400, "nothing satisfies it"),
+    ("regex matching nothing", C, {"prompt": "a", "guided_regex": "[^\\s\\S]"}, 400,
+     "matches nothing"),
+    ("regex matching nothing, chat, streaming", CHAT, {"messages": USER, "stream": True,
+     "structured_outputs": {"regex": "[^\\s\\S]"}}, 400, "matches nothing"),
     ("tools", CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "'tools'"),
     ("tool_choice no tools", CHAT, {"messages": USER, "tool_choice": "required"}, 400,
      "'tool_choice' needs 'tools'"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -139,3 +140,15 @@ async def test_greedy_speculation_with_logit_bias_equals_plain(tiny_target, tiny
     async with running(make_config(tiny_target, "draft", tiny_target, k=3)) as engine:
         usage = (await engine.generate(prompts[0], params))[-1].usage
     assert usage.draft_tokens > 0 and usage.accepted_tokens == usage.draft_tokens
+
+
+async def test_usage_counts_only_the_requests_own_speculation(tiny_target, tiny_draft):
+    """A request with a draft cap of 0 verifies no drafts of its own, whatever its batch-mates
+    draft: its usage says 0 steps."""
+    async with running(make_config(tiny_target, "draft", tiny_draft, k=3)) as engine:
+        capped = dataclasses.replace(GREEDY, num_speculative_tokens=0)
+        alone, drafting = await asyncio.gather(
+            engine.generate([3, 4, 5], capped), engine.generate([6, 7, 8], GREEDY)
+        )
+    assert alone[-1].usage.spec_steps == 0 and alone[-1].usage.draft_tokens == 0
+    assert drafting[-1].usage.spec_steps > 0
