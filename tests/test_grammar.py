@@ -289,9 +289,10 @@ async def test_greedy_speculation_under_a_grammar_equals_plain(
     assert sum(u.draft_tokens for u in usage) > 0
 
 
-@pytest.mark.parametrize("drafter", ["draft", "eagle-tree"])
+@pytest.mark.parametrize("drafter", ["none", *DRAFTERS])
 async def test_sampled_outputs_under_a_grammar_validate(tiny_target, tiny_draft, heads, drafter):
-    config = DRAFTERS[drafter](tiny_target, heads, tiny_draft)
+    plain = make_config(tiny_target)
+    config = DRAFTERS[drafter](tiny_target, heads, tiny_draft) if drafter != "none" else plain
     params = SamplingParams(max_tokens=96, temperature=1.0)
     check_outputs(await generate_all(dataclasses.replace(config, max_running=32), params))
 
