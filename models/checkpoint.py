@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,3 +37,10 @@ def _untouched(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
 
 class CheckpointError(ValueError):
     """A checkpoint directory that we cannot load, with the reason in the message."""
+
+
+def cache_dir() -> Path:
+    """What the engine keeps between starts (fetched model files, the cost model's curves,
+    dequantized weights): $TANDEM_CACHE, else ~/.cache/tandem."""
+    root = os.environ.get("TANDEM_CACHE") or Path.home() / ".cache" / "tandem"
+    return Path(root)
