@@ -41,6 +41,10 @@ class Tokenizer(Protocol):
     def encode_chat(self, messages: list[dict[str, Any]], **extra: Any) -> list[int]: ...
     @property
     def chat_template(self) -> str | None: ...
+    @property
+    def fim_ids(self) -> tuple[int, int, int] | None: ...
+    @property
+    def fim_stop_ids(self) -> tuple[int, ...]: ...
 
 
 class Metrics(Protocol):
@@ -244,7 +248,7 @@ COMPLETION_FIELDS = COMMON_FIELDS | {
     "logprobs": (_in(0, 5), "an integer in 0..5"),
     "echo": (_is(False), "false (echo is not supported)"),
     "best_of": (_is(1), "1 (best_of is not supported)"),
-    "suffix": (NONE, "null (suffix is not supported)"),
+    "suffix": (lambda v: v is None or _str(v), "a string: the text after the completion"),
 }
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages": (
@@ -384,8 +388,14 @@ def check_text_length(num_chars: int, engine: Engine) -> None:
         )
 
 
-def completion_prompt(value: str | list[Any], engine: Engine) -> list[int]:
-    """A string, a list of token ids, or a list holding exactly one of those: its ids."""
+def completion_prompt(
+    value: str | list[Any], engine: Engine, suffix: str | None = None
+) -> list[int]:
+    """A string, a list of token ids, or a list holding exactly one of those: its ids. With a
+    `suffix`, the prompt of a fill in the middle: the model's markers around the string
+    prompt and the suffix (prefix, suffix, middle: the completion is what goes between)."""
+    if suffix is not None:
+        return fill_in_the_middle(value, suffix, engine)
     if value and type(value) is list and type(value[0]) in (str, list):
         if len(value) != 1:
             raise ApiError(400, f"only one prompt per request is supported, got {len(value)}")
@@ -399,6 +409,21 @@ def completion_prompt(value: str | list[Any], engine: Engine) -> list[int]:
         raise ApiError(400, "'prompt' must be a string or a list of token ids")
     check_ids(value, engine.vocab_size, "'prompt'")
     return value
+
+
+def fill_in_the_middle(prefix: Any, suffix: str, engine: Engine) -> list[int]:
+    """<prefix marker> prefix <suffix marker> suffix <middle marker>, as the model was trained
+    to fill (Qwen2.5-Coder, StarCoder); a 400 where the vocabulary has no such markers."""
+    markers = engine.tokenizer.fim_ids
+    if markers is None:
+        raise ApiError(400, "'suffix': this model has no fill-in-the-middle tokens")
+    if not isinstance(prefix, str):
+        raise ApiError(400, "'prompt' must be a string with a 'suffix'")
+    check_text_length(len(prefix) + len(suffix), engine)
+    start, middle, end = markers
+    head = engine.tokenizer.encode(prefix, add_special_tokens=False)
+    tail = engine.tokenizer.encode(suffix, add_special_tokens=False)
+    return [start, *head, middle, *tail, end]
 
 
 def chat_prompt(
@@ -476,6 +501,8 @@ def sampling_params(
     stop = fields.get("stop", ())
     stop_ids = fields.get("stop_token_ids", [])
     check_ids(stop_ids, engine.vocab_size, "'stop_token_ids'")
+    if fields.get("suffix") is not None:  # a fill in the middle ends where the model says
+        stop_ids = [*stop_ids, *engine.tokenizer.fim_stop_ids]
     bias = [(int(k), float(v)) for k, v in fields.get("logit_bias", {}).items()]
     check_ids([t for t, _ in bias], engine.vocab_size, "'logit_bias'")
     return SamplingParams(

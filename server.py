@@ -281,7 +281,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     fields = validate(await read_body(request), request.path, "prompt")
     check_model(fields, request.app[MODEL])
-    prompt_ids = await off_loop(completion_prompt, fields["prompt"], engine)
+    prompt_ids = await off_loop(completion_prompt, fields["prompt"], engine, fields.get("suffix"))
     params = sampling_params(fields, fields.get("max_tokens", 16), fields.get("logprobs"), engine)
     job = make_job("cmpl", prompt_ids, params, fields, engine)
     if params.grammar is not None:  # on a worker thread, within a time limit (else a 400)

@@ -24,6 +24,16 @@ PROMPT_CONTEXT = 5
 MAX_HELD_TOKENS = 4
 
 
+# fill-in-the-middle markers, prefix, suffix, middle: Qwen2.5-Coder's, then StarCoder's
+FIM_SPELLINGS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+)
+
+
+FIM_STOPS = ("<|endoftext|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
+
+
 class Tokenizer:
     """A Hugging Face tokenizer directory: tokenizer.json, and tokenizer_config.json if present.
 
@@ -103,6 +113,22 @@ class Tokenizer:
     @property
     def eos_token_id(self) -> int | None:
         return self.token_to_id(self.eos_token)
+
+    @functools.cached_property
+    def fim_ids(self) -> tuple[int, int, int] | None:
+        """The fill-in-the-middle markers (prefix, suffix, middle) where the vocabulary has
+        them as special tokens: Qwen2.5-Coder's and StarCoder's spellings."""
+        for spellings in FIM_SPELLINGS:
+            ids = [self.specials.get(s) for s in spellings]
+            if all(i is not None for i in ids):
+                return ids[0], ids[1], ids[2]  # type: ignore[return-value]
+        return None
+
+    @functools.cached_property
+    def fim_stop_ids(self) -> tuple[int, ...]:
+        """The special tokens that end a fill in the middle besides eos (llama.cpp's
+        end-of-generation set for these vocabularies)."""
+        return tuple(i for s in FIM_STOPS if (i := self.specials.get(s)) is not None)
 
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self.tokenizer.token_to_id(token)

@@ -380,3 +380,18 @@ async def test_the_server_takes_developer_and_tool_roles(tiny_target):
             async with session.post(f"{url}/v1/chat/completions", json=body) as response:
                 assert response.status == 400
                 assert "tool" in (await response.json())["error"]["message"]
+
+
+def test_a_suffix_asks_the_model_for_the_middle(tiny, smollm2):
+    """With a suffix, the prompt is the model's fill-in-the-middle form: <|fim_prefix|>
+    prompt <|fim_suffix|> suffix <|fim_middle|>; a model without those markers is a 400."""
+    engine = TokenizingEngine(tiny)
+    start, middle, end = tiny.fim_ids  # type: ignore[misc]
+    ids = completion_prompt("def add(a, b):\n", engine, suffix="\nprint(add(1, 2))\n")
+    head = tiny.encode("def add(a, b):\n", add_special_tokens=False)
+    tail = tiny.encode("\nprint(add(1, 2))\n", add_special_tokens=False)
+    assert ids == [start, *head, middle, *tail, end]
+    with pytest.raises(ApiError, match="no fill-in-the-middle tokens"):
+        completion_prompt("def add(a, b):\n", TokenizingEngine(smollm2), suffix="x")
+    with pytest.raises(ApiError, match="must be a string"):
+        completion_prompt([1, 2], engine, suffix="x")

@@ -125,3 +125,28 @@ async def test_smollm2_answers_and_its_drafters_are_lossless():
                 assert deltas[-1].usage.accepted_tokens > 0  # its drafts land
     for name in runs:
         assert outputs[name] == outputs["none"], name
+
+
+@pytest.mark.parametrize("kind", [None, Q8_0])
+def test_a_qwen2_gguf_gives_transformers_logits(tmp_path, kind):
+    """A Qwen2 (q, k, v biases, tied embeddings, rope base 1e6, its pre-tokenizer) written as
+    llama.cpp writes it, rows unpermuted: transformers' Qwen2ForCausalLM logits on the same
+    weights, at float32 and (Q8_0, at its own width) within its rounding."""
+    import transformers
+
+    qwen2 = {"attention_bias": True, "tie_word_embeddings": True, "rope_theta": 1e6,
+             "architecture": "Qwen2ForCausalLM"}  # fmt: skip
+    source = write_model(tmp_path / "hf", seed=5, **qwen2)
+    path = write_gguf(source, tmp_path / "qwen2.gguf", kind, gguf_arch="qwen2", gguf_pre="qwen2")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    ids = [5, 17, 33, 2, 9, 100, 41, 250]
+    with torch.no_grad():
+        want = reference(torch.tensor([ids])).logits[0]
+    if kind is None:
+        torch.testing.assert_close(logits(load_model(path), ids), want, atol=1e-4, rtol=1e-4)
+        return
+    for quantized in (False, True):  # dequantized, and multiplied at its width
+        got = logits(load_model(path, quantized=quantized), ids)
+        assert (got - want).abs().max() < 0.05 * want.abs().max()
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert Tokenizer(path).encode("abc 123") == Tokenizer(source).encode("abc 123")

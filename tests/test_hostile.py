@@ -192,7 +192,8 @@ HOSTILE: list[tuple[str, str, Any, int, str]] = [
     ("n 2", CHAT, {"messages": USER, "n": 2}, 400, "'n' must be 1"),
     ("best_of 2", C, {"prompt": "a", "best_of": 2}, 400, "'best_of'"),
     ("echo", C, {"prompt": "a", "echo": True}, 400, "'echo'"),
-    ("suffix", C, {"prompt": "a", "suffix": "b"}, 400, "'suffix'"),
+    ("suffix 7", C, {"prompt": "a", "suffix": 7}, 400, "'suffix'"),
+    ("suffix with token ids", C, {"prompt": [1, 2], "suffix": "b"}, 400, "must be a string"),
     (
         "echo on chat",
         CHAT,
@@ -220,6 +221,20 @@ def test_hostile_input_is_refused_and_the_server_goes_on(
     assert got == status, answer
     assert message in answer["error"]["message"]
     assert served.serves() and served.pages_free()
+
+
+def test_a_completion_with_a_suffix_fills_the_middle(served):
+    """/v1/completions with `suffix`: the same middle streamed or not."""
+    body = {"prompt": "def add(a, b):\n", "suffix": "\nprint(add(1, 2))\n", "max_tokens": 8,
+            "temperature": 0}  # fmt: skip
+    status, _, answer = served.request(C, body, KEY)
+    assert status == 200, answer
+    assert answer["choices"][0]["finish_reason"] in ("stop", "length")
+    status, _, stream = served.request(C, body | {"stream": True}, KEY)
+    assert status == 200
+    chunks = [json.loads(line[6:]) for line in stream.decode().splitlines()
+              if line.startswith("data: {")]  # fmt: skip
+    assert "".join(c["choices"][0]["text"] for c in chunks) == answer["choices"][0]["text"]
 
 
 def test_fields_that_change_nothing_pass(served):

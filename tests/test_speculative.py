@@ -152,3 +152,18 @@ async def test_usage_counts_only_the_requests_own_speculation(tiny_target, tiny_
         )
     assert alone[-1].usage.spec_steps == 0 and alone[-1].usage.draft_tokens == 0
     assert drafting[-1].usage.spec_steps > 0
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram", "suffix", "eagle", "mtp"])
+async def test_greedy_fill_in_the_middle_equals_plain(tiny_target, tiny_draft, heads, method):
+    """Code completion's prompts (prefix, suffix, then the middle to fill: api.py
+    fill_in_the_middle) under every drafter: the plain decoding's tokens."""
+    texts = [("def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"), ("class Point:\n", "\n")]
+    async with running(make_config(tiny_target)) as engine:
+        start, middle, end = engine.tokenizer.fim_ids
+        enc = lambda text: engine.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        prompts = [[start, *enc(a), middle, *enc(b), end] for a, b in texts]
+        want = await staggered(engine, prompts, GREEDY)
+    draft = tiny_draft if method == "draft" else heads.get(method)
+    async with running(make_config(tiny_target, method, draft, k=3)) as engine:
+        assert await staggered(engine, prompts, GREEDY, seed=5) == want

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -31,14 +32,18 @@ CHAT_TEMPLATE = (
 )
 
 
+FIM = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]  # Qwen2.5-Coder's markers
+
+
 def write_tokenizer(directory: Path, vocab_size: int = 320) -> int:
-    """A byte-level BPE tokenizer trained on TEXT; returns its vocabulary size."""
+    """A byte-level BPE tokenizer trained on TEXT, with fill-in-the-middle markers; returns
+    its vocabulary size."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>"],
+        special_tokens=["<|endoftext|>", *FIM],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(TEXT, trainer)
@@ -64,9 +69,11 @@ def write_model(
     max_len: int = 512,
     model_vocab: int | None = None,
     head_dim: int = 16,
+    **config: Any,
 ) -> Path:
     """A random model with a large init scale, so that top-2 logit gaps are wide and greedy
-    decoding does not depend on rounding; plus the tokenizer. FlashInfer runs head_dim 64."""
+    decoding does not depend on rounding; plus the tokenizer. FlashInfer runs head_dim 64.
+    `config`: more LlamaConfig fields (a Qwen2's architecture and biases, tied embeddings)."""
     vocab = model_vocab or write_tokenizer(directory, vocab_size)
     if model_vocab:
         write_tokenizer(directory, vocab_size)
@@ -81,6 +88,7 @@ def write_model(
         max_position_embeddings=max_len,
         eos_token_id=0,
         bos_token_id=0,
+        **config,
     )
     model = LlamaModel(cfg)
     randomize(model, seed, scale)
@@ -195,9 +203,10 @@ def write_gguf(
     write_vocab(writer, directory, cfg.get("gguf_pre", "gpt2"))
     for name, tensor in read_safetensors(directory).items():
         w = tensor.float().numpy()
-        if name.endswith("q_proj.weight"):
+        llama = cfg.get("gguf_arch", "llama") == "llama"  # llama.cpp permutes a Llama's q, k
+        if llama and name.endswith("q_proj.weight"):
             w = permute(w, heads)
-        elif name.endswith("k_proj.weight"):
+        elif llama and name.endswith("k_proj.weight"):
             w = permute(w, kv_heads)
         full = gguf_name(name).removesuffix(".weight")
         kind = kinds.get(full, kinds.get(full.split(".")[-1])) if isinstance(kinds, dict) else kinds
