@@ -32,7 +32,7 @@ from models.checkpoint import CheckpointError, to_be_loaded
 from models.gguf_file import GGUFFormatError, Tensor, read_gguf
 from models.linear import QuantLinear, TiedEmbedding
 from models.llama import LlamaConfig, LlamaModel, Rotary
-from models.quant import CODE_TYPES, Codes, Packed, cat, codes_of, packed_rows
+from models.quant import CODE_TYPES, Codes, Packed, cat, codes_of, packed, packed_rows
 
 # GPT-2's split, which ByteLevel(use_regex=True) applies itself
 GPT2 = "gpt2"
@@ -357,11 +357,23 @@ def _float(t: Tensor, cfg: LlamaConfig) -> torch.Tensor:
     return _unpermute(w, heads) if heads else w
 
 
-def _stacked(parts: list[Codes | Packed]) -> Codes | Packed | None:
-    """One weight, or several read as codes (a fused group's) stacked by models.quant.cat."""
+def _stacked(parts: list[Codes | Packed]) -> Codes | Packed | list[Packed] | None:
+    """One weight, or several read as codes (a fused group's) stacked by models.quant.cat,
+    or, where their forms have no common one, packed as parts run side by side (the native
+    kernels'; None on torch's path)."""
     if len(parts) == 1:
         return parts[0]
-    return cat([p for p in parts if isinstance(p, Codes)])
+    codes = [p for p in parts if isinstance(p, Codes)]
+    stacked = cat(codes)
+    if stacked is not None or native.quant_path() == "torch":
+        return stacked
+    runs: list[list[Codes]] = []  # neighbours with a common form stacked: q|k beside v
+    for c in codes:
+        if runs and cat([*runs[-1], c]) is not None:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return [packed(run_codes) for run in runs if (run_codes := cat(run)) is not None]
 
 
 def _dequantized(weight: Codes | Packed) -> torch.Tensor:

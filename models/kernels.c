@@ -824,7 +824,8 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *const *args, Py_ss
  * quant.c. Each layer's entry of the table holds, as int64: its input norm's weight (0: none),
  * the post-attention norm's, the layer's index in the KV cache, then for each of q|k|v, o,
  * gate|up and down: the weight (blocked float32 or int8, or packed codes), its int8 scales
- * (0: none), its bias (0: none) and its codes' form (0: not packed codes; else qweight's). */
+ * (0: none), its bias (0: none) and its codes' form (0: not packed codes; else qweight's; -1:
+ * products side by side, the weight a qgemm_parts table). */
 
 enum { W_IN_NORM, W_POST_NORM, CACHE_LAYER, LINEARS };
 enum { QKV, O, GATE_UP, DOWN };
@@ -850,6 +851,7 @@ static Linear linear_of(const int64_t *w, int which) {
 /* 0, or -1 when a quantized product could not run */
 static int apply(Linear l, const float *x, float *y, int64_t rows, int64_t in, int64_t out,
                  int threads) {
+    if (l.codes < 0) return qgemm_parts(PTR(const int64_t, l.packed), x, y, rows, in, threads);
     if (l.packed) {
         QWeight q = qweight(l.packed, l.bias, out, in, l.codes);
         return qgemm(&q, x, y, rows, threads);
@@ -937,6 +939,19 @@ static PyObject *py_qlinear(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
+/* qlinear_parts(y, x, parts, rows, in, threads) (quant.c) */
+static PyObject *py_qlinear_parts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[6];
+    if (ints(args, nargs, 6, a)) return NULL;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = qgemm_parts(PTR(const int64_t, a[2]), PTR(const float, a[1]), PTR(float, a[0]), a[3],
+                         a[4], (int)a[5]);
+    Py_END_ALLOW_THREADS
+    if (status) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 /* qrows(out, packed, ids, n, out_features, in, form) (quant.c) */
 static PyObject *py_qrows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int64_t a[7];
@@ -965,6 +980,8 @@ static PyMethodDef methods[] = {
     {"decode_layers", (PyCFunction)(void (*)(void))py_decode_layers, METH_FASTCALL,
      "a forward of a few tokens through decoder layers"},
     {"qlinear", (PyCFunction)(void (*)(void))py_qlinear, METH_FASTCALL, "x W^T, W packed codes"},
+    {"qlinear_parts", (PyCFunction)(void (*)(void))py_qlinear_parts, METH_FASTCALL,
+     "products side by side"},
     {"qrows", (PyCFunction)(void (*)(void))py_qrows, METH_FASTCALL, "rows of W, dequantized"},
     {"qpath", (PyCFunction)(void (*)(void))py_qpath, METH_FASTCALL, "the quantized path"},
     {NULL, NULL, 0, NULL},

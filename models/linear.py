@@ -97,24 +97,43 @@ class QuantLinear(nn.Module):
     bias: torch.Tensor | None
 
     def __init__(
-        self, weight: Codes | Packed, sizes: Sequence[int] = (), bias: torch.Tensor | None = None
+        self,
+        weight: Codes | Packed | list[Packed],
+        sizes: Sequence[int] = (),
+        bias: torch.Tensor | None = None,
     ):
-        """`weight`: packed already (where the native kernels run), or codes; `sizes`: the
-        outputs of the parts stacked in it (models.quant.cat)."""
+        """`weight`: packed already (where the native kernels run), or codes, or (parts
+        whose forms have no common one, as a Q4_K q|k beside a Q6_K v) packed parts run
+        side by side; `sizes`: the outputs of the parts stacked in it (models.quant.cat)."""
         super().__init__()
         if isinstance(weight, Codes) and native.quant_path() != "torch":
             weight = packed(weight)
+        parts = weight if isinstance(weight, list) else [weight]
         self.register_buffer("bias", bias, persistent=False)
-        self.sizes = list(sizes) or [weight.shape[0]]
-        self.out_features, self.in_features = weight.shape
-        # exactly one of: packed for the kernels, or the codes for torch's path
+        self.sizes = list(sizes) or [sum(p.shape[0] for p in parts)]
+        self.out_features, self.in_features = sum(p.shape[0] for p in parts), parts[0].shape[1]
+        # exactly one of: packed for the kernels (one weight, or parts), or codes for torch's
         self.packed: torch.Tensor | None = None
         self.codes: Codes | None = None
-        if isinstance(weight, Packed):
-            self.packed = weight.data
+        self.parts: list[Packed] = []
+        if isinstance(weight, Codes):
+            self.codes, self.form = weight, weight.form
+        elif isinstance(weight, Packed):
+            self.packed, self.form = weight.data, weight.form
         else:
-            self.codes = weight
-        self.form = weight.form  # quant.c's qweight
+            self.parts, self.form = weight, -1  # quant.c: a qgemm_parts table
+            self.packed = self._parts_table(bias)
+
+    def _parts_table(self, bias: torch.Tensor | None) -> torch.Tensor:
+        """quant.c's qgemm_parts table: the count, then each part's weight, bias, outputs
+        and form (the tensors it points to kept by this module)."""
+        biases = bias.split([p.shape[0] for p in self.parts]) if bias is not None else None
+        self.part_biases = [b.contiguous() for b in biases] if biases is not None else []
+        table = [len(self.parts)]
+        for i, part in enumerate(self.parts):
+            at = self.part_biases[i].data_ptr() if self.part_biases else 0
+            table += [part.data.data_ptr(), at, part.shape[0], part.form]
+        return torch.tensor(table, dtype=torch.int64)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -125,6 +144,9 @@ class QuantLinear(nn.Module):
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parts:
+            assert self.packed is not None  # the parts' table
+            return native.qlinear_parts(x, self.packed, self.out_features)
         if self.packed is not None:
             return native.qlinear(x, self.packed, self.shape, self.form, self.bias)
         assert self.codes is not None
@@ -136,6 +158,8 @@ class QuantLinear(nn.Module):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """W[ids] [*ids.shape, I], dequantized (an embedding's lookup)."""
+        if self.parts:
+            raise ValueError("a product of parts is not an embedding")
         if self.packed is not None:
             return native.qrows(ids, self.packed, self.shape, self.form)
         assert self.codes is not None
@@ -172,6 +196,7 @@ def held_bytes(module: nn.Module) -> int:
             tensors += [t for t in (sub.blocked, sub.weight, sub.scales) if t is not None]
         elif isinstance(sub, QuantLinear):
             held = [sub.packed] if sub.packed is not None else []
+            held += [part.data for part in sub.parts]
             if sub.codes is not None:
                 held += [sub.codes.codes, sub.codes.d, sub.codes.m]
             tensors += held

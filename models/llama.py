@@ -293,8 +293,8 @@ class NativeDecoder:
             if not (isinstance(lin, FusedLinear | QuantLinear) and lin.runs_native):
                 return None
             bias = lin.bias.contiguous() if lin.bias is not None else None
-            if isinstance(lin, QuantLinear):
-                tensors, width = [lin.packed, None, bias], lin.form
+            if isinstance(lin, QuantLinear):  # a product of parts carries its biases itself
+                tensors, width = [lin.packed, None, None if lin.parts else bias], lin.form
             else:
                 tensors, width = [lin.blocked, lin.scales, bias], 0
             keep.extend(t for t in tensors if t is not None)

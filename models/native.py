@@ -123,6 +123,16 @@ def qlinear(
     return y
 
 
+def qlinear_parts(x: torch.Tensor, table: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [M, I] through products side by side (quant.c: qgemm_parts' table): [M, O]."""
+    x = x.contiguous()
+    y = x.new_empty(x.shape[0], out_features)
+    threads = torch.get_num_threads()
+    _kernels.qlinear_parts(y.data_ptr(), x.data_ptr(), table.data_ptr(), x.shape[0], x.shape[1],
+                           threads)  # fmt: skip
+    return y
+
+
 def qrows(
     ids: torch.Tensor, packed: torch.Tensor, shape: tuple[int, int], form: int
 ) -> torch.Tensor:

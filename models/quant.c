@@ -45,7 +45,7 @@ static int64_t chunk_bytes(const QWeight *w) {
 }
 
 QWeight qweight(const uint8_t *packed, const float *bias, int64_t out, int64_t in, int64_t form) {
-    return (QWeight){packed, bias, out, in, form & 255, (form >> 8) & 1, form >> 16};
+    return (QWeight){packed, bias, out, in, form & 255, (form >> 8) & 1, form >> 16, 0};
 }
 
 static float half_to_float(uint16_t h) {
@@ -144,7 +144,7 @@ typedef struct {
 
 static void store_block(const Job *j, int64_t row, int64_t ob, const float *lanes) {
     int64_t o0 = ob * QO, n = j->w->out - o0 < QO ? j->w->out - o0 : QO;
-    float *y = j->y + row * j->w->out + o0;
+    float *y = j->y + row * (j->w->ldy ? j->w->ldy : j->w->out) + o0;
     for (int64_t o = 0; o < n; o++) y[o] = lanes[o] + (j->w->bias ? j->w->bias[o0 + o] : 0.0f);
 }
 
@@ -426,5 +426,20 @@ int qgemm(const QWeight *w, const float *x, float *y, int64_t rows, int threads)
             m0 += n;
         }
     free(xq), free(dx), free(sx), free(halves);
+    return 0;
+}
+
+int qgemm_parts(const int64_t *parts, const float *x, float *y, int64_t rows, int64_t in,
+                int threads) {
+    int64_t n = parts[0], out = 0;
+    for (int64_t i = 0; i < n; i++) out += parts[1 + 4 * i + 2];
+    for (int64_t i = 0, at = 0; i < n; i++) {
+        const int64_t *p = parts + 1 + 4 * i;
+        QWeight w = qweight((const uint8_t *)(intptr_t)p[0], (const float *)(intptr_t)p[1], p[2],
+                            in, p[3]);
+        w.ldy = out;
+        if (qgemm(&w, x, y + at, rows, threads)) return -1;
+        at += p[2];
+    }
     return 0;
 }

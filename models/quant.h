@@ -16,6 +16,7 @@ typedef struct {
     const uint8_t *packed;
     const float *bias; /* [O] or NULL */
     int64_t out, in, bits, half_scales, zero;
+    int64_t ldy; /* floats between y's rows (0: out) */
 } QWeight;
 
 /* a weight's form as one int, as models/quant.py writes it: bits + 256 half + 65536 zero */
@@ -24,6 +25,11 @@ QWeight qweight(const uint8_t *packed, const float *bias, int64_t out, int64_t i
 /* y [M, O] = x [M, I] W^T (+ bias); the activations are quantized to int8 a row and 32
  * inputs at a time. 0, or -1 when out of memory (called without the GIL). */
 int qgemm(const QWeight *w, const float *x, float *y, int64_t rows, int threads);
+
+/* y [M, sum of the parts' outputs] from products side by side, each its own weight:
+ * parts = {n, then per part: packed, bias (or 0), its outputs, its form} */
+int qgemm_parts(const int64_t *parts, const float *x, float *y, int64_t rows, int64_t in,
+                int threads);
 
 /* the path qgemm takes: `want` QPATH_* forced (if the CPU has it), or -1 for the best; the
  * path chosen is returned */

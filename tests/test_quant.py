@@ -23,9 +23,9 @@ from models.gguf import packaged_smollm2, served_dequantized
 from models.linear import QuantLinear, held_bytes
 from models.llama import prepare_for_inference
 from models.loader import load_model
-from models.quant import CODE_TYPES, QK, Codes, cat, codes_of, pack
+from models.quant import CODE_TYPES, QK, Codes, cat, codes_of, pack, packed
 from tests.engine_util import make_config, running
-from tests.tiny import QUANT_MIX, write_gguf
+from tests.tiny import QUANT_MIX, write_gguf, write_model
 
 T = gguf.GGMLQuantizationType
 K_SCALES = {T.Q4_K: (0, 4), T.Q6_K: (208, 210)}  # where a K type's float16 scales sit
@@ -161,6 +161,20 @@ def test_stacked_weights_of_two_forms_keep_their_values():
     assert cat([a, six]) is None  # Q6_K's scales each 16 inputs: no common form
 
 
+def test_parts_without_a_common_form_run_side_by_side():
+    """A Q4_K q|k beside a Q6_K v (Qwen2.5-Coder's files): each part its own product, the
+    outputs side by side, as the parts alone give them, biases each its part's."""
+    if not NATIVE_PATHS:
+        pytest.skip("the native kernels did not build")
+    a = codes_of(random_blocks(T.Q4_K, 48, 256, seed=12), T.Q4_K, 256)
+    b = codes_of(random_blocks(T.Q6_K, 20, 256, seed=13), T.Q6_K, 256)
+    bias = torch.randn(68)
+    product = QuantLinear([packed(a), packed(b)], [48, 20], bias)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(14))
+    alone = [QuantLinear(c, bias=t)(x) for c, t in ((a, bias[:48]), (b, bias[48:]))]
+    assert torch.equal(product(x), torch.cat(alone, -1))
+
+
 def test_a_forced_path_the_cpu_lacks_is_refused(monkeypatch):
     monkeypatch.setenv(native.QUANT_PATH_ENV, "sse")
     with pytest.raises(ValueError, match="choose auto or one of"):
@@ -224,6 +238,21 @@ def test_the_native_decoder_runs_a_quantized_model(quantized_and_dequantized):
         forward_logits(quantized, ids),
         atol=2e-4,
         rtol=0,
+    )
+
+
+def test_a_layer_of_parts_runs_through_the_native_decoder(tmp_path):
+    """q|k in Q4_K beside v in Q6_K: the layer's q|k|v a product of parts, in the native
+    decoder's table as in the layer-by-layer path."""
+    source = write_model(tmp_path / "hf", layers=1, hidden=256, head_dim=64, seed=4)
+    kinds = {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K}
+    model = load_model(write_gguf(source, tmp_path / "parts.gguf", kinds), quantized=True)
+    prepare_for_inference(model)
+    assert [p.shape[0] for p in model.layers[0].self_attn.qkv.parts] == [256 + 128, 128]
+    assert model.decoder is not None
+    ids = [5, 17, 33, 2, 9]
+    torch.testing.assert_close(
+        forward_logits(model, ids, paged=True), forward_logits(model, ids), atol=2e-4, rtol=0
     )
 
 

@@ -221,16 +221,21 @@ def write_gguf(
     return path
 
 
+# where a type's float16 scales sit in its block (the first two bytes but for these)
+SCALE_BYTES = {gguf.GGMLQuantizationType.Q4_K: (0, 4), gguf.GGMLQuantizationType.Q6_K: (208, 210)}
+
+
 def quantized(w: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
     """w's blocks of `kind`: quantized by the gguf library where it can, else random bytes
-    whose leading float16 (each type's first scale) is 0.01."""
+    whose float16 scales are 0.01."""
     try:
         return gguf.quants.quantize(w, kind)
     except NotImplementedError:
         block, size = gguf.GGML_QUANT_SIZES[kind]
         rng = np.random.default_rng(0)
         data = rng.integers(0, 256, (w.shape[0], w.shape[1] // block, size), dtype=np.uint8)
-        data[..., :2] = np.array([0.01], np.float16).view(np.uint8)
+        start, end = SCALE_BYTES.get(kind, (0, 2))
+        data[..., start:end] = np.full((end - start) // 2, 0.01, np.float16).view(np.uint8)
         return data.reshape(w.shape[0], -1)
 
 
