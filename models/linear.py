@@ -8,7 +8,9 @@ chunk's hundreds (as fast as oneDNN's packed product there; `python -m bench.for
 row's result depends only on that row, so the same product serves `--batch-invariant`. A tied
 embedding looks its rows up in the lm_head's blocks. Elsewhere (CUDA, bfloat16, no compiler)
 the weight is the stacked [O, I] matrix and the product torch's. Weight-only int8
-(`--quantization int8`) stores int8 with a scale a row, in the same two layouts.
+(`--weights int8`) stores int8 with a scale a row, in the same two layouts. A GGUF file's
+block types stay as they are stored (QuantLinear: models/quant.py packs them, quant.c
+multiplies them).
 
 Training never uses these: the originals are dropped when a model is prepared.
 """

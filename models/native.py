@@ -5,7 +5,9 @@ is about ten dispatched operations for 576 floats, the rotary embedding five, a 
 attention a gather of its whole context into a fresh buffer plus SDPA. Each function here
 does one of those groups in one call, for float32 tensors on the CPU at inference
 (`prepare_for_inference` turns them on; `available()` says whether they built). Their results
-equal the torch operations' up to float rounding (tests/test_native.py).
+equal the torch operations' up to float rounding (tests/test_native.py). The products over a
+GGUF file's block types (models/quant.c: qlinear, qlinear_parts, qrows) run on the path the
+CPU's features allow, chosen at run time (`quant_path`; tests/test_quant.py).
 
 The kernels are built by the normal install (setup.py) and are optional: where there is no
 C compiler, or with TANDEM_NATIVE=0 in the environment, the models run their torch path.
