@@ -1,11 +1,12 @@
-"""GGUF files (llama.cpp's format) of Llama-architecture models: weights and tokenizer.
+"""GGUF files (llama.cpp's format) of Llama and Qwen2 models: their weights.
 
-Weights come through the `gguf` library, which dequantizes the types it knows (F32, F16, BF16,
-Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, ...) to float32. llama.cpp's converter permutes the rows of
-attn_q and attn_k for its rotary layout; the loader puts them back in Hugging Face's, which is
-ours. The tokenizer is rebuilt with `tokenizers` from the metadata (tokens, merges, token
-types, the pre-tokenizer that `tokenizer.ggml.pre` names), with the chat template and the
-bos/eos ids from there too. Anything else is refused with an error that names it.
+The header is read by models/gguf_file.py, the tokenizer rebuilt by models/gguf_tokenizer.py.
+Served quantized (`--weights auto` on the CPU), the types with codes (models/quant.py) are
+read, fused and packed a product at a time; the others, and everything served in a float
+dtype, are dequantized by the `gguf` library (F32, F16, BF16, Q8_0, Q4_0 ... Q6_K, IQ*).
+llama.cpp's converter permutes a Llama's attn_q and attn_k rows for its rotary layout; the
+loader puts them back in Hugging Face's, which is ours. Anything else is refused with an
+error that names the file and the tensor.
 """
 
 from __future__ import annotations
@@ -20,11 +21,8 @@ from typing import Any
 
 import gguf
 import numpy as np
-import tokenizers
 import torch
 from safetensors.torch import load_file, save_file
-from tokenizers import decoders, pre_tokenizers
-from tokenizers.models import BPE
 from torch import nn
 
 from models import native
@@ -33,26 +31,6 @@ from models.gguf_file import GGUFFormatError, Tensor, read_gguf
 from models.linear import QuantLinear, TiedEmbedding
 from models.llama import LlamaConfig, LlamaModel, Rotary
 from models.quant import CODE_TYPES, Codes, Packed, cat, codes_of, packed, packed_rows
-
-# GPT-2's split, which ByteLevel(use_regex=True) applies itself
-GPT2 = "gpt2"
-LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-QWEN2_REGEX = LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")  # digits one at a time
-# tokenizer.ggml.pre -> how llama.cpp splits text before BPE (its llama-vocab.cpp)
-PRE_TOKENIZERS = {
-    "gpt2": GPT2,
-    "gpt-2": GPT2,
-    "smollm": "digits+gpt2",  # each digit alone, then GPT-2's split
-    "starcoder": "digits+gpt2",
-    "refact": "digits+gpt2",
-    "llama-bpe": "llama3",
-    "llama3": "llama3",
-    "qwen2": "qwen2",
-}
-TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4  # llama.cpp's token types: special, added
 
 # GGUF tensor name -> ours, per layer ({} is the layer)
 LAYER_NAMES = {
@@ -109,15 +87,15 @@ class Metadata:
         return {t.name: t.tensor_type.name for t in self.tensors}
 
 
-def _metadata(path: str | Path) -> Metadata:
+def metadata(path: str | Path) -> Metadata:
     """The file's header, kept for its next reader (the weights and the tokenizer each want
     it): one per path, size and time."""
     stat = Path(path).stat() if Path(path).is_file() else None
-    return _cached_metadata(str(Path(path).resolve()), stat and (stat.st_size, stat.st_mtime_ns))
+    return _cached_header(str(Path(path).resolve()), stat and (stat.st_size, stat.st_mtime_ns))
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_metadata(path: str, stamp: tuple[int, int] | None) -> Metadata:
+def _cached_header(path: str, stamp: tuple[int, int] | None) -> Metadata:
     try:
         header = read_gguf(path)
     except (OSError, GGUFFormatError) as e:
@@ -236,13 +214,13 @@ def load_gguf_model(
     codes dequantized (`served_dequantized` names them). Else every weight dequantized,
     then converted to `dtype`; with `cache_dir`, the dequantized weights are kept there as
     safetensors (named by the file's path, size and time) and read back on the next load."""
-    cfg = config_from_gguf(_metadata(path))
+    cfg = config_from_gguf(metadata(path))
     with to_be_loaded():
         model = LlamaModel(cfg)
     expected = {n: tuple(p.shape) for n, p in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         del expected["lm_head.weight"]
-    meta = _metadata(path)
+    meta = metadata(path)
     _check_tensors(path, meta, expected)
     if quantized:
         state = _quantized(meta, cfg, model)
@@ -264,7 +242,7 @@ def served_dequantized(path: str | Path) -> list[str]:
     """The quantized tensors of the file that a quantized load serves dequantized (their
     types have no codes here), as "name (type)"."""
     codes, floats = {k.name for k in CODE_TYPES}, {k.name for k in FLOAT_TYPES}
-    types = _metadata(path).tensor_types
+    types = metadata(path).tensor_types
     return [f"{n} ({k})" for n, k in types.items() if k not in codes | floats]
 
 
@@ -398,50 +376,3 @@ def _cache_file(path: Path, cache_dir: Path) -> Path:
     stat = path.stat()
     key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
     return cache_dir / f"gguf-{hashlib.blake2b(key, digest_size=8).hexdigest()}.safetensors"
-
-
-def tokenizer_from_gguf(path: str | Path) -> dict[str, Any]:
-    """The pieces of models.tokenizer.Tokenizer from a GGUF's metadata: `tokenizer` (a
-    tokenizers.Tokenizer), `bos_token`, `eos_token`, `add_bos_token`, `chat_template`."""
-    meta = _metadata(path)
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise CheckpointError(f"GGUF tokenizer {kind!r} is not supported (only BPE, 'gpt2')")
-    pre = meta.get("tokenizer.ggml.pre", "default")  # llama.cpp's name when unset
-    if pre not in PRE_TOKENIZERS:
-        raise CheckpointError(f"GGUF pre-tokenizer {pre!r} is not supported")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    vocab = {token: i for i, token in enumerate(tokens)}
-    tok = tokenizers.Tokenizer(BPE(vocab, merges, ignore_merges=False))
-    tok.pre_tokenizer = _pre_tokenizer(PRE_TOKENIZERS[pre])
-    tok.decoder = decoders.ByteLevel()
-    added = [
-        tokenizers.AddedToken(t, special=token_type == TOKEN_CONTROL, normalized=False)
-        for t, token_type in zip(tokens, types, strict=True)
-        if token_type in (TOKEN_CONTROL, TOKEN_USER_DEFINED)
-    ]
-    tok.add_special_tokens([a for a in added if a.special])
-    tok.add_tokens([a for a in added if not a.special])
-    token = lambda key: None if (i := meta.get(key)) is None else tokens[i]  # noqa: E731
-    return {
-        "tokenizer": tok,
-        "bos_token": token("tokenizer.ggml.bos_token_id"),
-        "eos_token": token("tokenizer.ggml.eos_token_id"),
-        "add_bos_token": meta.get("tokenizer.ggml.add_bos_token"),
-        "chat_template": meta.get("tokenizer.chat_template"),
-    }
-
-
-SPLITS = {"llama3": LLAMA3_REGEX, "qwen2": QWEN2_REGEX}  # a regex of their own, then bytes
-
-
-def _pre_tokenizer(kind: str) -> pre_tokenizers.PreTokenizer:
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=kind not in SPLITS)
-    if kind == "digits+gpt2":
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if kind in SPLITS:
-        split = pre_tokenizers.Split(tokenizers.Regex(SPLITS[kind]), behavior="isolated")
-        return pre_tokenizers.Sequence([split, byte_level])
-    return byte_level

@@ -13,7 +13,8 @@ from typing import Any, NoReturn
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from models.gguf import is_gguf, tokenizer_from_gguf
+from models.gguf import is_gguf
+from models.gguf_tokenizer import tokenizer_from_gguf
 from models.loader import CheckpointError
 
 REPLACEMENT = "\ufffd"  # what a lossy UTF-8 decode yields for an incomplete byte sequence
