@@ -38,14 +38,27 @@
 static int64_t code_bytes(int64_t bits) { return bits == 8 ? 512 : 256 + 64 * (bits - 4); }
 
 /* a chunk: its codes, then 16 scales and (unless implied) 16 offsets; 6 bits: the two
- * halves' 16 scales */
+ * halves' 16 scales. With supers (the K types), the scales are integers (Q4_K: 16 unsigned
+ * scales and 16 minima; Q6_K: the halves' 16 signed scales), multiplied by float16 ones each
+ * 256 inputs (Q4_K: d and dmin; Q6_K: d), which follow all the chunks, 8 chunks a set */
 static int64_t chunk_bytes(const QWeight *w) {
+    if (w->supers) return code_bytes(w->bits) + 2 * QO;
     int64_t vectors = w->bits == 6 || !w->zero ? 2 : 1;
     return code_bytes(w->bits) + vectors * QO * (w->half_scales ? 2 : 4);
 }
 
+#define SUPER 8 /* chunks a set of super scales */
+
+/* the float16 scales of output block ob's chunks kb..kb + 7: 16 d, then (Q4_K) 16 dmin */
+static const uint16_t *super_scales(const QWeight *w, int64_t ob, int64_t kb) {
+    int64_t nk = w->in / QK, blocks = (w->out + QO - 1) / QO, set = (w->bits == 6 ? 1 : 2) * QO;
+    const uint16_t *base = (const uint16_t *)(w->packed + blocks * nk * chunk_bytes(w));
+    return base + (ob * (nk / SUPER) + kb / SUPER) * set;
+}
+
 QWeight qweight(const uint8_t *packed, const float *bias, int64_t out, int64_t in, int64_t form) {
-    return (QWeight){packed, bias, out, in, form & 255, (form >> 8) & 1, form >> 16, 0};
+    return (QWeight){packed, bias, out, in, form & 255, (form >> 8) & 1,
+                     form >> 16, (form >> 9) & 1, 0};
 }
 
 static float half_to_float(uint16_t h) {
@@ -70,9 +83,20 @@ static float half_to_float(uint16_t h) {
 }
 
 /* the scale and offset of output o (0..15) at input i (0..31) of a chunk */
-static void block_scales(const QWeight *w, const uint8_t *chunk, int o, int i, float *d,
-                         float *m) {
+static void block_scales(const QWeight *w, const uint8_t *chunk, int64_t ob, int64_t kb, int o,
+                         int i, float *d, float *m) {
     const uint8_t *s = chunk + code_bytes(w->bits);
+    if (w->supers) {
+        const uint16_t *sup = super_scales(w, ob, kb);
+        if (w->bits == 6) { /* d sc (code - 32), a signed scale each half */
+            *d = half_to_float(sup[o]) * (float)(int8_t)s[(i / 16) * QO + o];
+            *m = -(float)w->zero * *d;
+        } else { /* d sc code - dmin mn */
+            *d = half_to_float(sup[o]) * (float)s[o];
+            *m = -(half_to_float(sup[QO + o]) * (float)s[QO + o]);
+        }
+        return;
+    }
     int64_t size = w->half_scales ? 2 : 4, at = w->bits == 6 ? (i / 16) * QO + o : o;
     uint16_t h;
     if (w->half_scales) {
@@ -103,7 +127,7 @@ __attribute__((optimize("fp-contract=off"))) void qrows(const QWeight *w, const 
             const uint8_t *chunk = w->packed + (ob * nk + kb) * cb;
             for (int i = 0; i < QK; i++) {
                 float d, m;
-                block_scales(w, chunk, o, i, &d, &m);
+                block_scales(w, chunk, ob, kb, o, i, &d, &m);
                 out[r * w->in + kb * QK + i] = d * (float)code_at(w, chunk, o, i) + m;
             }
         }
@@ -185,6 +209,24 @@ VNNI_ATTR static inline void vnni_unpack(const uint8_t *p, int bits, __m512i q[8
     }
 }
 
+/* a K type's chunk scales, its integers times the float16 ones of its 256 inputs: d, and
+ * m the offsets (Q4_K: -dmin mn) or (Q6_K) the second half's scales; exact in float32 */
+VNNI_ATTR static inline void vnni_supers(const QWeight *w, const uint8_t *sc, int64_t ob,
+                                         int64_t kb, __m512 *d, __m512 *m) {
+    const uint16_t *sup = super_scales(w, ob, kb);
+#define INTS(p, ext) _mm512_cvtepi32_ps(ext(_mm_loadu_si128((const __m128i *)(p))))
+    __m512 big = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sup));
+    if (w->bits == 6) {
+        *d = _mm512_mul_ps(big, INTS(sc, _mm512_cvtepi8_epi32));
+        *m = _mm512_mul_ps(big, INTS(sc + QO, _mm512_cvtepi8_epi32));
+    } else {
+        __m512 small = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sup + QO)));
+        *d = _mm512_mul_ps(big, INTS(sc, _mm512_cvtepu8_epi32));
+        *m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(small, INTS(sc + QO, _mm512_cvtepu8_epi32)));
+    }
+#undef INTS
+}
+
 /* A tile: ROWS rows of one output block. Each row's 32 inputs of a block meet the codes in
  * eight 4-way dot products, two chains (half the latency); 6-bit codes (Q6_K) take a scale
  * each 16 inputs, so their chains are the halves, their offset -32 d applied in integers. */
@@ -200,13 +242,16 @@ VNNI_ATTR static inline void vnni_unpack(const uint8_t *p, int bits, __m512i q[8
             vnni_unpack(p, BITS, q);                                                          \
             const uint8_t *sc = p + code_bytes(BITS);                                         \
             __m512 d, m;                                                                      \
-            if (w->half_scales) { /* 6 bits: m holds the second half's scales */              \
+            if (w->supers) {                                                                  \
+                vnni_supers(w, sc, ob, kb, &d, &m);                                           \
+            } else if (w->half_scales) { /* 6 bits: m holds the second half's scales */       \
                 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));                 \
                 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 32)));          \
             } else {                                                                          \
                 d = _mm512_loadu_ps(sc), m = _mm512_loadu_ps(sc + 64);                        \
             }                                                                                 \
-            if (BITS != 6 && w->zero) m = _mm512_mul_ps(d, _mm512_set1_ps(-(float)w->zero));  \
+            if (BITS != 6 && w->zero && !w->supers)                                           \
+                m = _mm512_mul_ps(d, _mm512_set1_ps(-(float)w->zero));                        \
             UNROLL for (int r = 0; r < ROWS; r++) {                                           \
                 const int8_t *xr = j->xq + (m0 + r) * w->in + kb * QK;                        \
                 __m512i s[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};              \
@@ -267,6 +312,24 @@ VNNI_TILES(8)
 #define AVX2_ATTR __attribute__((target("avx2,fma,f16c")))
 #define AVX2_TILE 4
 #define AVX2_SHIFT(v, s) ((s) >= 0 ? _mm256_slli_epi16(v, (s)) : _mm256_srli_epi16(v, -(s)))
+
+/* vnni_supers for outputs 8h..8h+7 */
+AVX2_ATTR static inline void avx2_supers(const QWeight *w, const uint8_t *sc, int64_t ob,
+                                         int64_t kb, int h, __m256 *d, __m256 *m) {
+    const uint16_t *sup = super_scales(w, ob, kb) + 8 * h;
+#define INTS(p, ext) _mm256_cvtepi32_ps(ext(_mm_loadl_epi64((const __m128i *)(p))))
+    __m256 big = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sup));
+    if (w->bits == 6) {
+        *d = _mm256_mul_ps(big, INTS(sc + 8 * h, _mm256_cvtepi8_epi32));
+        *m = _mm256_mul_ps(big, INTS(sc + QO + 8 * h, _mm256_cvtepi8_epi32));
+    } else {
+        __m256 small = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sup + QO)));
+        *d = _mm256_mul_ps(big, INTS(sc + 8 * h, _mm256_cvtepu8_epi32));
+        *m = _mm256_sub_ps(_mm256_setzero_ps(),
+                           _mm256_mul_ps(small, INTS(sc + QO + 8 * h, _mm256_cvtepu8_epi32)));
+    }
+#undef INTS
+}
 
 /* the chunk's codes of outputs 8h..8h+7 */
 AVX2_ATTR static inline void avx2_unpack(const uint8_t *p, int bits, int h, __m256i q[8]) {
@@ -331,14 +394,17 @@ AVX2_ATTR static inline void avx2_dots(const __m256i q[8], const int8_t *xr, int
                 avx2_unpack(p, BITS, h, q);                                                   \
                 const uint8_t *sc = p + code_bytes(BITS);                                     \
                 __m256 d, m;                                                                  \
-                if (!w->half_scales) { /* 6 bits: m holds the second half's scales */         \
+                if (w->supers) {                                                              \
+                    avx2_supers(w, sc, ob, kb, h, &d, &m);                                    \
+                } else if (!w->half_scales) { /* 6 bits: m holds the second half's scales */  \
                     d = _mm256_loadu_ps((const float *)(sc + 32 * h));                        \
                     m = _mm256_loadu_ps((const float *)(sc + 64 + 32 * h));                   \
                 } else {                                                                      \
                     d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 16 * h)));     \
                     m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 32 + 16 * h))); \
                 }                                                                             \
-                if (BITS != 6 && w->zero) m = _mm256_mul_ps(d, _mm256_set1_ps(-(float)w->zero)); \
+                if (BITS != 6 && w->zero && !w->supers)                                       \
+                    m = _mm256_mul_ps(d, _mm256_set1_ps(-(float)w->zero));                    \
                 if (BITS == 8) m = _mm256_fmadd_ps(d, _mm256_set1_ps(128.0f), m);             \
                 UNROLL for (int r = 0; r < ROWS; r++) {                                       \
                     __m256i s[2];                                                             \

@@ -16,10 +16,12 @@ typedef struct {
     const uint8_t *packed;
     const float *bias; /* [O] or NULL */
     int64_t out, in, bits, half_scales, zero;
-    int64_t ldy; /* floats between y's rows (0: out) */
+    int64_t supers; /* K types: integer scales a chunk, float16 ones each 256 inputs */
+    int64_t ldy;    /* floats between y's rows (0: out) */
 } QWeight;
 
-/* a weight's form as one int, as models/quant.py writes it: bits + 256 half + 65536 zero */
+/* a weight's form as one int, as models/quant.py writes it: bits + 256 half + 512 supers +
+ * 65536 zero */
 QWeight qweight(const uint8_t *packed, const float *bias, int64_t out, int64_t in, int64_t form);
 
 /* y [M, O] = x [M, I] W^T (+ bias); the activations are quantized to int8 a row and 32

@@ -27,6 +27,31 @@ CODE_TYPES = (GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q8_0, GGML.Q4_K, GGML.Q6_K)
 
 
 @dataclass(frozen=True)
+class Supers:
+    """A K type's scales as the file keeps them: integers each `block` inputs times float16
+    ones each 256 inputs (Q4_K: scales and minima; Q6_K: signed scales), packed so (the
+    float32 d and m of Codes are their products, exact)."""
+
+    d: torch.Tensor  # [O, I / 256] float32, exact in float16
+    dmin: torch.Tensor | None  # [O, I / 256] (Q4_K)
+    scales: torch.Tensor  # [O, I / block] int16: Q4_K's 0..63, Q6_K's -128..127
+    mins: torch.Tensor | None  # [O, I / 32] int16 (Q4_K)
+
+    def rows(self, ids: torch.Tensor) -> Supers:
+        pick = lambda t: None if t is None else t[ids]  # noqa: E731
+        return Supers(self.d[ids], pick(self.dmin), self.scales[ids], pick(self.mins))
+
+
+def _cat_supers(parts: list[Supers | None]) -> Supers | None:
+    if any(p is None for p in parts):
+        return None
+    kept = [p for p in parts if p is not None]
+    join = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
+    return Supers(torch.cat([p.d for p in kept]), join([p.dmin for p in kept]),
+                  torch.cat([p.scales for p in kept]), join([p.mins for p in kept]))  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Codes:
     """A weight [O, I] as w = d * code + m, a scale and an offset each output and `block`
     inputs."""
@@ -38,6 +63,7 @@ class Codes:
     half: bool  # d and m exact in float16
     block: int = QK  # 16 for 6-bit codes (Q6_K), else 32
     zero: int = 0  # m = -zero d (Q4_0 8, Q5_0 16, Q6_K 32, Q8_0 128), not stored; 0: m stored
+    supers: Supers | None = None  # a K type's scales as stored (packed instead of d and m)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -45,7 +71,7 @@ class Codes:
 
     @property
     def form(self) -> int:
-        return form(self.bits, self.half, self.zero)
+        return form(self.bits, self.half, self.zero, self.supers is not None)
 
     def dequantize(self) -> torch.Tensor:
         """[O, I] float32."""
@@ -55,12 +81,13 @@ class Codes:
 
     def rows(self, ids: torch.Tensor) -> Codes:
         """The outputs `ids` (a permutation, a slice)."""
-        return replace(self, codes=self.codes[ids], d=self.d[ids], m=self.m[ids])
+        supers = self.supers.rows(ids) if self.supers is not None else None
+        return replace(self, codes=self.codes[ids], d=self.d[ids], m=self.m[ids], supers=supers)
 
 
-def form(bits: int, half: bool, zero: int) -> int:
+def form(bits: int, half: bool, zero: int, supers: bool = False) -> int:
     """A packed weight's form as quant.c's qweight reads it."""
-    return bits + 256 * half + 65536 * zero
+    return bits + 256 * half + 512 * supers + 65536 * zero
 
 
 def cat(parts: list[Codes]) -> Codes | None:
@@ -75,6 +102,7 @@ def cat(parts: list[Codes]) -> Codes | None:
         return None
     bits = next(iter(forms))[0] if len(forms) == 1 else 8
     zeros = {p.zero for p in parts}
+    same = len(forms) == 1 and len(zeros) == 1
     return Codes(
         torch.cat([p.codes for p in parts]),
         torch.cat([p.d for p in parts]),
@@ -83,6 +111,7 @@ def cat(parts: list[Codes]) -> Codes | None:
         all(p.half for p in parts),
         parts[0].block,
         zeros.pop() if len(zeros) == 1 else 0,
+        _cat_supers([p.supers for p in parts]) if same else None,
     )
 
 
@@ -101,7 +130,7 @@ def codes_of(raw: np.ndarray, kind: GGML, inputs: int) -> Codes:
     rows = raw.shape[0]
     super_block = kind in (GGML.Q4_K, GGML.Q6_K)
     blocks = raw.reshape(rows, inputs // (256 if super_block else QK), -1)
-    half, block, zero = True, QK, 0
+    half, block, zero, supers = True, QK, 0, None
     if kind == GGML.Q4_0:
         d = _half(blocks[..., 0:2].copy())[..., 0]
         codes, m = _nibbles(blocks[..., 2:18]), -8 * d
@@ -119,10 +148,10 @@ def codes_of(raw: np.ndarray, kind: GGML, inputs: int) -> Codes:
         codes = (blocks[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
         m, bits, zero = -128 * d, 8, 128
     elif kind == GGML.Q4_K:
-        codes, d, m = _q4_k(blocks)
+        codes, d, m, supers = _q4_k(blocks)
         bits, half = 4, False
     elif kind == GGML.Q6_K:
-        codes, d = _q6_k(blocks)
+        codes, d, supers = _q6_k(blocks)
         m, bits, half, block, zero = -32 * d, 6, False, 16, 32
     else:
         raise ValueError(f"no codes for GGUF type {kind.name}")
@@ -134,12 +163,22 @@ def codes_of(raw: np.ndarray, kind: GGML, inputs: int) -> Codes:
         half,
         block,
         zero,
+        supers,
     )
 
 
-def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _ints(x: np.ndarray, rows: int) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int16).reshape(rows, -1))
+
+
+def _floats(x: np.ndarray, rows: int) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32).reshape(rows, -1))
+
+
+def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, Supers]:
     """Q6_K super-blocks [O, n, 210] (128 bytes of low nibbles, 64 of high bit pairs, 16 int8
-    scales, d) -> codes [O, n, 256] and d [O, n, 16]: w = d sc (q - 32) each 16 inputs."""
+    scales, d) -> codes [O, n, 256], d [O, n, 16] and the scales as stored: w = d sc (q - 32)
+    each 16 inputs."""
     lead = blocks.shape[:-1]
     ql = blocks[..., 0:128].reshape(*lead, 2, 64)  # two halves of 128 inputs
     qh = blocks[..., 128:192].reshape(*lead, 2, 32)
@@ -148,12 +187,14 @@ def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     codes = (low | (high << 4)).reshape(*lead, 256)
     scales = blocks[..., 192:208].view(np.int8).astype(np.float32)
     d = _half(blocks[..., 208:210].copy())
-    return codes, d * scales
+    rows = blocks.shape[0]
+    return codes, d * scales, Supers(_floats(d, rows), None, _ints(scales, rows), None)
 
 
-def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, Supers]:
     """Q4_K super-blocks [O, n, 144] (d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of
-    nibbles) -> codes [O, n, 256], d and m [O, n, 8]: w = d sc q - dmin mn a sub-block."""
+    nibbles) -> codes [O, n, 256], d and m [O, n, 8] and the scales as stored: w = d sc q -
+    dmin mn a sub-block."""
     d = _half(blocks[..., 0:2].copy())
     dmin = _half(blocks[..., 2:4].copy())
     s = blocks[..., 4:16].astype(np.uint8)
@@ -161,7 +202,9 @@ def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     mins = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
     qs = blocks[..., 16:144].reshape(*blocks.shape[:-1], 4, 32)  # 4 chunks of 64 inputs
     codes = np.stack([qs & 15, qs >> 4], -2).reshape(*blocks.shape[:-1], 256)
-    return codes, d * low.astype(np.float32), -(dmin * mins.astype(np.float32))
+    rows = blocks.shape[0]
+    supers = Supers(_floats(d, rows), _floats(dmin, rows), _ints(low, rows), _ints(mins, rows))
+    return codes, d * low.astype(np.float32), -(dmin * mins.astype(np.float32)), supers
 
 
 def pack(c: Codes) -> torch.Tensor:
@@ -189,14 +232,42 @@ def pack(c: Codes) -> torch.Tensor:
         raise ValueError(f"codes with zero {c.zero} take the offset -{c.zero} d")
     if c.bits == 6 and (c.block, c.zero) != (16, 32):
         raise ValueError("6-bit codes come as Q6_K's: a scale each 16 inputs, zero 32")
+    parts = [p.reshape(ob, nk, -1).to(torch.uint8) for p in planes]
+    if c.supers is not None:
+        return _with_supers(parts, c.supers, ob, nk, pad)
     dtype = torch.float16 if c.half else torch.float32
     if c.bits == 6:  # the halves' scales
         scales = [d.to(dtype).view(ob, QO, nk, 2).permute(0, 2, 3, 1).reshape(ob, nk, 2 * QO)]
     else:
         scales = [t.to(dtype).view(ob, QO, nk).transpose(1, 2) for t in (d, m)[: 2 - bool(c.zero)]]
-    parts = [p.reshape(ob, nk, -1).to(torch.uint8) for p in planes]
     parts += [s.contiguous().view(torch.uint8).reshape(ob, nk, -1) for s in scales]
     return torch.cat(parts, -1).view(-1)
+
+
+SUPER = 8  # chunks a set of a K type's float16 scales (256 inputs)
+
+
+def _with_supers(
+    parts: list[torch.Tensor], supers: Supers, ob: int, nk: int, pad: int
+) -> torch.Tensor:
+    """The chunks with their integer scales (Q4_K: 16 scales, 16 minima; Q6_K: the halves'
+    16 scales, signed), then the float16 scales of each 8 chunks (16 d, Q4_K's 16 dmin)."""
+    grid = lambda t, per: torch.nn.functional.pad(t, (0, 0, 0, pad)).view(ob, QO, nk, per)  # noqa: E731
+    if supers.mins is None:  # Q6_K: [ob, chunk, half, output]
+        ints = [grid(supers.scales, 2).permute(0, 2, 3, 1).to(torch.int8).view(torch.uint8)]
+        floats = [supers.d]
+    else:
+        assert supers.dmin is not None
+        ints = [
+            grid(t, 1).permute(0, 2, 3, 1).to(torch.uint8) for t in (supers.scales, supers.mins)
+        ]
+        floats = [supers.d, supers.dmin]
+    parts += [t.reshape(ob, nk, -1) for t in ints]
+    sets = nk // SUPER
+    halves = [torch.nn.functional.pad(t, (0, 0, 0, pad)).to(torch.float16).view(ob, QO, sets)
+              for t in floats]  # fmt: skip
+    tail = torch.stack([h.transpose(1, 2) for h in halves], 2)  # [ob, set, kind, output]
+    return torch.cat([torch.cat(parts, -1).view(-1), tail.contiguous().view(torch.uint8).view(-1)])
 
 
 def exact_in_half(c: Codes) -> bool:
@@ -211,14 +282,17 @@ class Packed:
 
     data: torch.Tensor  # [bytes] uint8 (pack)
     shape: tuple[int, int]  # O, I
-    form: int  # quant.c's qweight: bits, float16 scales, zero
+    form: int  # quant.c's qweight: bits, float16 scales, zero, supers
+    supers_bytes: int = 0  # the float16 scales at the end of `data` (K types)
 
 
 def packed(c: Codes) -> Packed:
     """c packed, its scales in float16 where they are exact there (else float32)."""
     if c.half and not exact_in_half(c):
         c = replace(c, half=False)
-    return Packed(pack(c), c.shape, c.form)
+    sets = -(-c.shape[0] // QO) * (c.shape[1] // (QK * SUPER))
+    per_set = 0 if c.supers is None else 2 * QO * (1 if c.supers.dmin is None else 2)
+    return Packed(pack(c), c.shape, c.form, sets * per_set)
 
 
 PACK_ROWS = 4096  # outputs read and packed at a time: a large table's temporaries stay small
@@ -228,16 +302,22 @@ def packed_rows(
     read: Callable[[int, int], np.ndarray], rows: int, kind: GGML, inputs: int
 ) -> Packed:
     """A tensor's codes packed PACK_ROWS outputs at a time (whole output blocks, which pack
-    alone: the layout goes block after block) into one buffer; `read(start, stop)`: the
-    tensor's bytes of those outputs."""
-    data, at, forms = None, 0, set[int]()
+    alone: the chunks go block after block, as do a K type's float16 scales after them) into
+    one buffer; `read(start, stop)`: the tensor's bytes of those outputs."""
+    data, chunk_at, super_at, forms = None, 0, 0, set[int]()
+    blocks = -(-rows // QO)
     for start in range(0, rows, PACK_ROWS):
         part = packed(codes_of(read(start, start + PACK_ROWS), kind, inputs))
-        if data is None:  # every part packs PACK_ROWS / 16 blocks of this size, the last fewer
-            per_block = part.data.numel() // -(-part.shape[0] // QO)
-            data = torch.empty(-(-rows // QO) * per_block, dtype=torch.uint8)
-        data[at : at + part.data.numel()] = part.data
-        at, forms = at + part.data.numel(), forms | {part.form}
+        part_blocks = -(-part.shape[0] // QO)
+        chunks = part.data.numel() - part.supers_bytes
+        if data is None:  # every part packs blocks of these sizes
+            chunk_block, super_block = chunks // part_blocks, part.supers_bytes // part_blocks
+            data = torch.empty(blocks * (chunk_block + super_block), dtype=torch.uint8)
+            super_at = blocks * chunk_block
+        data[chunk_at : chunk_at + chunks] = part.data[:chunks]
+        data[super_at : super_at + part.supers_bytes] = part.data[chunks:]
+        chunk_at, super_at = chunk_at + chunks, super_at + part.supers_bytes
+        forms |= {part.form}
     if data is None or len(forms) > 1:  # a part's scales overflowed float16: all float32
         return packed(replace(codes_of(read(0, rows), kind, inputs), half=False))
-    return Packed(data, (rows, inputs), forms.pop())
+    return Packed(data, (rows, inputs), forms.pop(), data.numel() - chunk_at)

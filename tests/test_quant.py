@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import models.quant
 from bench.common import paged_attention
 from models import native
 from models.attention import CausalAttention
@@ -23,7 +24,7 @@ from models.gguf import packaged_smollm2, served_dequantized
 from models.linear import QuantLinear, held_bytes
 from models.llama import prepare_for_inference
 from models.loader import load_model
-from models.quant import CODE_TYPES, QK, Codes, cat, codes_of, pack, packed
+from models.quant import CODE_TYPES, QK, Codes, cat, codes_of, pack, packed, packed_rows
 from tests.engine_util import make_config, running
 from tests.tiny import QUANT_MIX, write_gguf, write_model
 
@@ -104,12 +105,12 @@ def test_the_products_equal_dequantize_then_multiply_within_the_bound(
     path, kind, extreme, monkeypatch
 ):
     require(path)
-    raw = random_blocks(kind, 40, 256, seed=2, extreme=extreme)
-    codes = codes_of(raw, kind, 256)
+    raw = random_blocks(kind, 40, 512, seed=2, extreme=extreme)
+    codes = codes_of(raw, kind, 512)
     w = codes.dequantize()
     gen = torch.Generator().manual_seed(3)
     for rows in (1, 3, 8, 9, 17, 64):
-        x = torch.randn(rows, 256, generator=gen)
+        x = torch.randn(rows, 512, generator=gen)
         if extreme:  # a few huge inputs among small ones
             x[:, ::37] *= 1e4
         y = product(codes, x, path, monkeypatch)
@@ -147,6 +148,16 @@ def test_an_embeddings_rows_come_back_exactly(monkeypatch):
         ids = torch.tensor([[0, 36], [17, 17]])
         rows = native.qrows(ids, pack(codes), codes.shape, codes.form)
         assert torch.equal(rows, codes.dequantize()[ids])
+
+
+@pytest.mark.parametrize("kind", CODE_TYPES, ids=lambda k: k.name)
+def test_a_large_table_packs_in_parts_as_it_would_whole(kind, monkeypatch):
+    """packed_rows reads and packs a few outputs at a time: the same bytes as the whole."""
+    monkeypatch.setattr(models.quant, "PACK_ROWS", 32)
+    raw = random_blocks(kind, 70, 512, seed=15)
+    whole = packed(codes_of(raw, kind, 512))
+    parts = packed_rows(lambda a, b: raw[a:b], 70, kind, 512)
+    assert torch.equal(parts.data, whole.data) and parts.form == whole.form
 
 
 def test_stacked_weights_of_two_forms_keep_their_values():
