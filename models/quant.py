@@ -3,11 +3,12 @@ with a scale and an offset a block of 32 inputs, or 16 for Q6_K (w = d * code + 
 the values the format stores), and packed in the layout of the native products
 (models/quant.c).
 
-Codes keep their width: 4 bits (Q4_0, Q4_1, Q4_K), 5 (Q5_0), 6 (Q6_K), 8 (Q8_0). The legacy
-types' scales and offsets are float16 as in the file (their offsets, -8 d, -16 d, -128 d, are
-exact in float16); the K types' are float32 (a sub-block's d * scale is exact there, not in
-float16), and Q6_K's offset is always -32 d. Types without codes here (Q5_K, Q2_K, Q3_K, the
-IQ types) are dequantized by the loader (models/gguf.py) and named in the start log.
+Codes keep their width: 4 bits (Q4_0, Q4_1, Q4_K), 5 (Q5_0), 6 (Q6_K), 8 (Q8_0), and so do
+the scales: the legacy types' float16 scales and offsets as in the file (implied offsets,
+-8 d, -16 d, -32 d, -128 d, not stored), the K types' integer scales a sub-block times float16
+ones each 256 inputs (Supers), so a packed file is about its own size. Types without codes
+here (Q5_K, Q2_K, Q3_K, the IQ types) are dequantized by the loader (models/gguf.py) and named
+in the start log.
 """
 
 from __future__ import annotations
