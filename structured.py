@@ -190,11 +190,39 @@ def _tools(tools: list[JSON], choice: Any) -> tuple[Grammar | None, ToolChoice |
 SUBSCHEMA = ("additionalProperties", "items", "propertyNames")  # a schema (or a boolean)
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
 SCHEMA_LISTS = ("anyOf", "allOf", "prefixItems")  # a list of schemas
-CHECKS = ("type", "enum", "const", "required", "multipleOf", "minimum", "maximum",
-          "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "pattern",
-          "minItems", "maxItems", "minProperties", "maxProperties", "$ref", "format")  # fmt: skip
-ANNOTATIONS = ("title", "description", "default", "examples", "deprecated", "readOnly",
-               "writeOnly", "$schema", "$id", "$comment", "strict")  # fmt: skip
+CHECKS = (
+    "type",
+    "enum",
+    "const",
+    "required",
+    "multipleOf",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "minItems",
+    "maxItems",
+    "minProperties",
+    "maxProperties",
+    "$ref",
+    "format",
+)
+ANNOTATIONS = (
+    "title",
+    "description",
+    "default",
+    "examples",
+    "deprecated",
+    "readOnly",
+    "writeOnly",
+    "$schema",
+    "$id",
+    "$comment",
+    "strict",
+)
 FORMATS = ("date-time", "uuid", "ipv6")  # formats whose every output validates (tested)
 KEYWORDS = frozenset(SUBSCHEMA + SCHEMA_MAPS + SCHEMA_LISTS + CHECKS + ANNOTATIONS)
 

@@ -118,8 +118,15 @@ def paged_attention(
     tables = [PageTable(PAGE_SIZE) for _ in range(batch)]
     for table in tables:
         table.grow(allocator, end)
-    cache = KVCache(cfg.num_layers, allocator.num_pages, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim,
-                    kv_dtype, queries=torch.float32)  # fmt: skip
+    cache = KVCache(
+        cfg.num_layers,
+        allocator.num_pages,
+        PAGE_SIZE,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        kv_dtype,
+        queries=torch.float32,
+    )
     csr = build_csr(tables, [end] * batch, [q_len] * batch)
     positions = torch.arange(context, end).repeat(batch)  # [T]
     meta = paged_metadata(

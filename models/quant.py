@@ -48,8 +48,12 @@ def _cat_supers(parts: list[Supers | None]) -> Supers | None:
         return None
     kept = [p for p in parts if p is not None]
     join = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
-    return Supers(torch.cat([p.d for p in kept]), join([p.dmin for p in kept]),
-                  torch.cat([p.scales for p in kept]), join([p.mins for p in kept]))  # fmt: skip
+    return Supers(
+        torch.cat([p.d for p in kept]),
+        join([p.dmin for p in kept]),
+        torch.cat([p.scales for p in kept]),
+        join([p.mins for p in kept]),
+    )
 
 
 @dataclass(frozen=True)
@@ -265,8 +269,10 @@ def _with_supers(
         floats = [supers.d, supers.dmin]
     parts += [t.reshape(ob, nk, -1) for t in ints]
     sets = nk // SUPER
-    halves = [torch.nn.functional.pad(t, (0, 0, 0, pad)).to(torch.float16).view(ob, QO, sets)
-              for t in floats]  # fmt: skip
+    halves = [
+        torch.nn.functional.pad(t, (0, 0, 0, pad)).to(torch.float16).view(ob, QO, sets)
+        for t in floats
+    ]
     tail = torch.stack([h.transpose(1, 2) for h in halves], 2)  # [ob, set, kind, output]
     return torch.cat([torch.cat(parts, -1).view(-1), tail.contiguous().view(torch.uint8).view(-1)])
 

@@ -23,9 +23,16 @@ from models.tokenizer import Tokenizer
 
 
 def make_config(
-    target, method="none", draft=None, k=3, pages=256, page_size=4, spec_kw=None,
-    kv_dtype="auto", **kw,
-):  # fmt: skip
+    target,
+    method="none",
+    draft=None,
+    k=3,
+    pages=256,
+    page_size=4,
+    spec_kw=None,
+    kv_dtype="auto",
+    **kw,
+):
     """An EngineConfig for tests; spec_kw: more SpecConfig fields. The draft length is fixed
     unless spec_kw asks for the cost model: with drafters as poor as random heads, the cost
     model would soon stop drafting, and the tests would stop testing speculation."""

@@ -134,8 +134,12 @@ def test_a_qwen2_gguf_gives_transformers_logits(tmp_path, kind):
     weights, at float32 and (Q8_0, at its own width) within its rounding."""
     import transformers
 
-    qwen2 = {"attention_bias": True, "tie_word_embeddings": True, "rope_theta": 1e6,
-             "architecture": "Qwen2ForCausalLM"}  # fmt: skip
+    qwen2 = {
+        "attention_bias": True,
+        "tie_word_embeddings": True,
+        "rope_theta": 1e6,
+        "architecture": "Qwen2ForCausalLM",
+    }
     source = write_model(tmp_path / "hf", seed=5, **qwen2)
     path = write_gguf(source, tmp_path / "qwen2.gguf", kind, gguf_arch="qwen2", gguf_pre="qwen2")
     reference = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)

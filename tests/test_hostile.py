@@ -225,15 +225,20 @@ def test_hostile_input_is_refused_and_the_server_goes_on(
 
 def test_a_completion_with_a_suffix_fills_the_middle(served):
     """/v1/completions with `suffix`: the same middle streamed or not."""
-    body = {"prompt": "def add(a, b):\n", "suffix": "\nprint(add(1, 2))\n", "max_tokens": 8,
-            "temperature": 0}  # fmt: skip
+    body = {
+        "prompt": "def add(a, b):\n",
+        "suffix": "\nprint(add(1, 2))\n",
+        "max_tokens": 8,
+        "temperature": 0,
+    }
     status, _, answer = served.request(C, body, KEY)
     assert status == 200, answer
     assert answer["choices"][0]["finish_reason"] in ("stop", "length")
     status, _, stream = served.request(C, body | {"stream": True}, KEY)
     assert status == 200
-    chunks = [json.loads(line[6:]) for line in stream.decode().splitlines()
-              if line.startswith("data: {")]  # fmt: skip
+    chunks = [
+        json.loads(line[6:]) for line in stream.decode().splitlines() if line.startswith("data: {")
+    ]
     assert "".join(c["choices"][0]["text"] for c in chunks) == answer["choices"][0]["text"]
 
 

@@ -339,6 +339,7 @@ def test_loading_smollm2_streams_its_file():
     """The peak resident growth while loading and preparing the shipped file stays within
     the file's size plus 300 MB (the loader once built a float32 copy first)."""
     path = packaged_smollm2()
-    out = subprocess.run([sys.executable, "-c", LOAD_PEAK, str(path)], capture_output=True,
-                         text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", LOAD_PEAK, str(path)], capture_output=True, text=True, check=True
+    )
     assert int(out.stdout.split()[-1]) <= path.stat().st_size + 300 * 2**20

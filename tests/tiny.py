@@ -157,9 +157,17 @@ def write_near_tie_model(directory: Path, seed: int = 0, gap: float = 1e-6) -> P
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 # a file of every type with codes that a 64-wide model can hold (Q4_K needs 256 inputs)
 T = gguf.GGMLQuantizationType
-QUANT_MIX = {"attn_q": T.Q4_0, "attn_k": T.Q4_0, "attn_v": T.Q5_0, "attn_output": T.Q4_1,
-             "ffn_gate": T.Q4_1, "ffn_up": T.Q4_1, "ffn_down": T.Q8_0, "token_embd": T.Q8_0,
-             "output": T.Q4_0}  # fmt: skip
+QUANT_MIX = {
+    "attn_q": T.Q4_0,
+    "attn_k": T.Q4_0,
+    "attn_v": T.Q5_0,
+    "attn_output": T.Q4_1,
+    "ffn_gate": T.Q4_1,
+    "ffn_up": T.Q4_1,
+    "ffn_down": T.Q8_0,
+    "token_embd": T.Q8_0,
+    "output": T.Q4_0,
+}
 SPECIAL = 3  # llama.cpp's token type of a control token
 
 
