@@ -466,24 +466,36 @@ int qpath_select(int want) {
     return path = has(QPATH_VNNI512) ? QPATH_VNNI512 : has(QPATH_AVX2) ? QPATH_AVX2 : QPATH_NONE;
 }
 
-int qgemm(const QWeight *w, const float *x, float *y, int64_t rows, int threads) {
-    if (path < 0) qpath_select(-1);
-    if (path == QPATH_NONE) return -1;
-    int64_t nk = w->in / QK, blocks = (w->out + QO - 1) / QO;
-    int8_t *xq = malloc(rows * w->in);
-    float *dx = malloc(sizeof(float) * rows * nk), *sx = malloc(sizeof(float) * rows * nk);
-    int32_t *halves = malloc(sizeof(int32_t) * rows * nk * 2);
-    if (!xq || !dx || !sx || !halves) {
-        free(xq), free(dx), free(sx), free(halves);
+/* a forward's activations quantized once for every product that reads them */
+typedef struct {
+    int8_t *xq;
+    float *dx, *sx;
+    int32_t *halves;
+} Activations;
+
+static void release(Activations *a) { free(a->xq), free(a->dx), free(a->sx), free(a->halves); }
+
+/* 0, or -1 when out of memory */
+static int quantize(const float *x, int64_t rows, int64_t in, Activations *a) {
+    int64_t nk = in / QK;
+    a->xq = malloc(rows * in);
+    a->dx = malloc(sizeof(float) * rows * nk), a->sx = malloc(sizeof(float) * rows * nk);
+    a->halves = malloc(sizeof(int32_t) * rows * nk * 2);
+    if (!a->xq || !a->dx || !a->sx || !a->halves) {
+        release(a);
         return -1;
     }
-    quantize_rows(x, rows, w->in, xq, dx, sx, halves);
-    Job j = {w, xq, dx, sx, halves, y, rows};
+    quantize_rows(x, rows, in, a->xq, a->dx, a->sx, a->halves);
+    return 0;
+}
+
+static void run(const QWeight *w, const Activations *a, float *y, int64_t rows, int threads) {
+    Job j = {w, a->xq, a->dx, a->sx, a->halves, y, rows};
     int vnni = path == QPATH_VNNI512, tile = vnni ? VNNI_TILE : AVX2_TILE;
     const tile_fn *by_bits[9] = {[4] = vnni ? VNNI_4 : AVX2_4, [5] = vnni ? VNNI_5 : AVX2_5,
                                  [6] = vnni ? VNNI_6 : AVX2_6, [8] = vnni ? VNNI_8 : AVX2_8};
     const tile_fn *fns = by_bits[w->bits];
-    int64_t tiles = (rows + tile - 1) / tile;
+    int64_t blocks = (w->out + QO - 1) / QO, tiles = (rows + tile - 1) / tile;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t ob = 0; ob < blocks; ob++)
         for (int64_t t = 0, m0 = 0; t < tiles; t++) { /* equal tiles */
@@ -491,21 +503,32 @@ int qgemm(const QWeight *w, const float *x, float *y, int64_t rows, int threads)
             fns[n](&j, ob, m0);
             m0 += n;
         }
-    free(xq), free(dx), free(sx), free(halves);
+}
+
+int qgemm(const QWeight *w, const float *x, float *y, int64_t rows, int threads) {
+    if (path < 0) qpath_select(-1);
+    Activations a;
+    if (path == QPATH_NONE || quantize(x, rows, w->in, &a)) return -1;
+    run(w, &a, y, rows, threads);
+    release(&a);
     return 0;
 }
 
 int qgemm_parts(const int64_t *parts, const float *x, float *y, int64_t rows, int64_t in,
                 int threads) {
+    if (path < 0) qpath_select(-1);
+    Activations a;
+    if (path == QPATH_NONE || quantize(x, rows, in, &a)) return -1;
     int64_t n = parts[0], out = 0;
     for (int64_t i = 0; i < n; i++) out += parts[1 + 4 * i + 2];
-    for (int64_t i = 0, at = 0; i < n; i++) {
+    for (int64_t i = 0, at = 0; i < n; i++) { /* the activations quantized once for all */
         const int64_t *p = parts + 1 + 4 * i;
         QWeight w = qweight((const uint8_t *)(intptr_t)p[0], (const float *)(intptr_t)p[1], p[2],
                             in, p[3]);
         w.ldy = out;
-        if (qgemm(&w, x, y + at, rows, threads)) return -1;
+        run(&w, &a, y + at, rows, threads);
         at += p[2];
     }
+    release(&a);
     return 0;
 }
