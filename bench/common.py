@@ -41,7 +41,7 @@ def heldout_prompts(n: int) -> list[str]:
     return [p["text"] for p in json.loads(PROMPTS.read_text())][:n]
 
 
-def request_groups(prompts: list[list[int]], batch: int, count: int) -> list[list[list[int]]]:
+def request_groups(prompts: list[Any], batch: int, count: int) -> list[list[Any]]:
     """ceil(count / batch) groups of `batch` prompts, taken in order (wrapping)."""
     groups = max(1, -(-count // batch))
     return [[prompts[(g * batch + i) % len(prompts)] for i in range(batch)] for g in range(groups)]

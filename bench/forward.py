@@ -24,7 +24,7 @@ import torch
 
 from bench.common import forward_call, median_seconds, read_bandwidth, text_table, timed, write_json
 from engine.builder import cache_dir, model_path
-from engine.config import KV_DTYPES, WEIGHTS, EngineConfig, KVConfig
+from engine.config import KV_DTYPES, WEIGHTS, EngineConfig, KVConfig, SpecConfig
 from models import native
 from models.linear import FusedLinear, QuantLinear, TiedEmbedding, held_bytes
 from models.llama import LlamaModel, prepare_for_inference
@@ -91,8 +91,7 @@ def measure(
     kv_dtype: str = "auto",
 ) -> dict:
     torch.manual_seed(0)
-    model_name = None if model == "demo" else model
-    config = EngineConfig(model_name, kv=KVConfig(dtype=kv_dtype), weights=weights)
+    config = EngineConfig(model, SpecConfig("none"), KVConfig(dtype=kv_dtype), weights=weights)
     kv = getattr(torch, config.kv_torch_dtype)
     with torch.inference_mode():
         path = model_path(config.model)

@@ -71,7 +71,7 @@ def load_tasks() -> list[Task]:
 def spec_for(method: str, k: int) -> SpecConfig:
     base, _, variant = method.partition("-")
     if base == "none":
-        return SpecConfig()
+        return SpecConfig("none")
     fields: dict[str, Any] = {"method": base, "num_speculative_tokens": k}
     if variant == "unaware":
         fields["grammar_drafting"] = False
@@ -160,7 +160,7 @@ class Cell:
     """A method's engine in a process of its own (bench/common.py EngineProcess), running one
     task at a time."""
 
-    def __init__(self, model: str | None, method: str, grammar: bool, args: argparse.Namespace):
+    def __init__(self, model: str, method: str, grammar: bool, args: argparse.Namespace):
         self.row = Row(method, grammar)
         self.max_tokens = args.max_tokens
         kv = KVConfig(page_size=16, num_pages=max(64, 4 * (args.max_tokens // 16 + 40)))
@@ -222,7 +222,7 @@ def _parses(text: str) -> bool:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.grammar", description=__doc__)
-    parser.add_argument("--model", default=None, help="smollm2, a path, or the demo (default)")
+    parser.add_argument("--model", default="demo", help="demo, smollm2 or a path")
     parser.add_argument("--methods", nargs="+", default=None, choices=METHODS)
     parser.add_argument("--rounds", type=int, default=2, help="passes over the tasks")
     parser.add_argument("--max-tokens", type=int, default=96)
@@ -234,7 +234,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     tasks = load_tasks()
-    methods = args.methods or [m for m in METHODS if args.model is None or m != "draft"]
+    methods = args.methods or [m for m in METHODS if args.model == "demo" or m != "draft"]
     methods = ["none"] + [m for m in methods if m != "none"]  # the baseline, always
     cells = [Cell(args.model, m, True, args) for m in methods]
     cells.insert(0, Cell(args.model, "none", False, args))

@@ -35,7 +35,7 @@ SMOLLM2_EAGLE1 = DEMO_DIR.parent / "smollm2" / "eagle1"
 
 # name -> the speculative configuration (k = 4, fixed: the cost model could stop drafting)
 METHODS: dict[str, dict[str, Any]] = {
-    "none": {},
+    "none": {"method": "none"},
     "ngram": {"method": "ngram"},
     "eagle3-chain": {"method": "eagle"},
     "eagle3-fixed": {"method": "eagle", "tree": "fixed"},
@@ -94,11 +94,19 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         counts, kept = asyncio.run(draw(config, prompt, params, args.n))
         p = chi_square_p_value(counts, law, args.n)
         power = chi_square_p_value(counts, shifted_law(law, POWER_SHIFT, vocab), args.n)
-        rows.append({
-            "method": name, "n": args.n, "tokens": args.tokens, "top_k": args.top_k,
-            "p_value": p, "p_value_shifted": power, "drafts_kept": kept,
-            "distinct": len(counts), "seconds": time.perf_counter() - start,
-        })  # fmt: skip
+        rows.append(
+            {
+                "method": name,
+                "n": args.n,
+                "tokens": args.tokens,
+                "top_k": args.top_k,
+                "p_value": p,
+                "p_value_shifted": power,
+                "drafts_kept": kept,
+                "distinct": len(counts),
+                "seconds": time.perf_counter() - start,
+            }
+        )
         print(f"{name}: p = {p:.3g}, against a {POWER_SHIFT:.0%} shift p = {power:.2g}")
     return rows
 

@@ -46,6 +46,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.code import Fill, chats, completions, edits
 from bench.common import (
     heldout_prompts,
     metric,
@@ -70,7 +71,12 @@ METHODS: dict[str, tuple[str | None, str | None]] = {
     "ngram-mod": ("ngram", "ngram-mod"),
     "eagle": ("eagle", None),
     "mtp": ("mtp", None),
+    "hybrid": ("hybrid", None),  # suffix decoding, else the draft model
+    # llama.cpp's draft model at its own default draft length, and at n-max 3, 8 and 16
+    "draft-default": (None, "draft-simple@default"),
+    **{f"draft-n{n}": (None, f"draft-simple@{n}") for n in (3, 8, 16)},
 }
+WORKLOADS = ("text", "chat", "complete", "code-chat", "edits")
 # our /metrics counters of draft tokens proposed and accepted
 SPEC_COUNTERS = [f"tandem_spec_decode_num_{n}_tokens_total" for n in ("draft", "accepted")]
 
@@ -103,7 +109,16 @@ def llama_reply(body: JSON) -> Reply:
     return Reply(prompt, tokens, t.get("draft_n", 0), t.get("draft_n_accepted", 0))
 
 
-Prompt = list[int] | list[dict[str, str]]  # token ids, or a chat's messages
+@dataclass(frozen=True)
+class FillPrompt:
+    """A fill in the middle: ours gets the text and builds the ids (/v1/completions with a
+    suffix), llama.cpp the very ids it builds (/completion)."""
+
+    fill: Fill
+    ids: list[int]
+
+
+Prompt = list[int] | list[dict[str, str]] | FillPrompt  # ids, a chat's messages, a fill
 CHAT_ROUTE = "/v1/chat/completions"  # both servers', the file's chat template on both sides
 
 
@@ -119,8 +134,12 @@ class Side:
     spec_metrics: bool  # acceptance from /metrics (else from the replies)
 
     def body(self, prompt: Prompt, max_tokens: int, temperature: float, seed: int) -> JSON:
-        """Token ids with EOS ignored, or (the chat route) messages with EOS honoured."""
+        """Token ids with EOS ignored; (the chat route) messages, or a fill, EOS honoured."""
         common = {"temperature": temperature, "seed": seed} | self.fields
+        if isinstance(prompt, FillPrompt):
+            fill = {"prompt": prompt.fill.prefix, "suffix": prompt.fill.suffix}
+            text = fill if self.name == TANDEM_NAME else {"prompt": prompt.ids}
+            return common | text | {self.length_field: max_tokens}
         if prompt and isinstance(prompt[0], dict):
             return common | {"messages": prompt, "max_tokens": max_tokens}
         return common | {"prompt": prompt, "ignore_eos": True, self.length_field: max_tokens}
@@ -129,7 +148,8 @@ class Side:
         return CHAT_ROUTE if "messages" in body else self.route
 
 
-TANDEM = Side("tandem", "/v1/completions", "max_tokens", {}, tandem_reply, spec_metrics=True)
+TANDEM_NAME = "tandem"
+TANDEM = Side(TANDEM_NAME, "/v1/completions", "max_tokens", {}, tandem_reply, spec_metrics=True)
 # its prompt cache off; top-k, top-p and min-p off (ours are off by default)
 LLAMA_FIELDS = {"cache_prompt": False, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
 LLAMA = Side("llama.cpp", "/completion", "n_predict", LLAMA_FIELDS, llama_reply, False)
@@ -147,10 +167,14 @@ class Launch:
 
 
 def tandem_launch(spec: str, args: Namespace) -> Launch:
-    heads = {"draft": args.draft, "eagle": args.eagle, "mtp": args.mtp}
+    heads = {"draft": args.draft, "eagle": args.eagle, "mtp": args.mtp, "hybrid": args.draft}
     command = [sys.executable, "server.py", "--model", str(args.model), "--speculative", spec]
     if spec in heads:
         command += ["--draft", str(heads[spec])]
+    if spec == "hybrid":
+        command += ["--hybrid-head", "draft"]
+    # no prefix cache: llama.cpp's prompt cache is off too, and repeats must prefill anew
+    command += ["--no-prefix-cache"]
     command += ["--num-speculative-tokens", str(args.k), "--host", "127.0.0.1"]
     command += ["--fixed-k"] * args.fixed_k + shlex.split(args.server_args)
     command += ["--weights", args.weights]
@@ -158,10 +182,13 @@ def tandem_launch(spec: str, args: Namespace) -> Launch:
 
 
 def llama_spec_flags(spec: str, k: int, draft_gguf: Path | None = None) -> list[str]:
-    """llama-server's --spec-type and the flags that cap its drafts at k tokens."""
+    """llama-server's --spec-type and the flags that cap its drafts at k tokens (a draft
+    model's at the n-max after '@', or none for '@default')."""
+    spec, _, n_max = spec.partition("@")
+    cap = [] if n_max == "default" else ["--spec-draft-n-max", n_max or str(k)]
     flags = {
         "none": [],
-        "draft-simple": ["-md", str(draft_gguf), "--spec-draft-n-max", str(k)],
+        "draft-simple": ["-md", str(draft_gguf), *cap],
         "ngram-simple": ["--spec-ngram-simple-size-m", str(k)],
         "ngram-mod": ["--spec-ngram-mod-n-max", str(k), "--spec-ngram-mod-n-min", "1"],
     }[spec]
@@ -188,7 +215,8 @@ def launches(args: Namespace, context: int) -> list[Launch]:
             out.setdefault((TANDEM.name, ours, 0), tandem_launch(ours, args))
         for batch in args.batches if theirs else []:
             # the batch-1 server also takes the time-to-first-token prompt
-            ctx = context if batch > 1 else max(context, args.ttft_tokens + 2 * args.k + 8)
+            ttft = args.ttft_tokens if args.workload == "text" else 0
+            ctx = context if batch > 1 else max(context, ttft + 2 * args.k + 8)
             out.setdefault((LLAMA.name, theirs, batch), llama_launch(str(theirs), batch, ctx, args))
     return list(out.values())
 
@@ -252,7 +280,7 @@ class Client:
 
 
 async def measure_cell(
-    client: Client, groups: list[list[list[int]]], temperature: float, args: Namespace
+    client: Client, groups: list[list[Prompt]], temperature: float, args: Namespace
 ) -> Cell:
     cell = Cell()
     before = await client.spec_counts() if client.side.spec_metrics else None
@@ -275,7 +303,7 @@ async def measure_cell(
 
 
 async def measure_launch(
-    launch: Launch, prompts: list[list[int]], ttft_prompt: list[int] | None, args: Namespace
+    launch: Launch, prompts: list[Prompt], ttft_prompts: list[Prompt], args: Namespace
 ) -> JSON:
     """Every cell a launch serves, its time to first token at batch 1, and its target's weight
     bytes (a plain launch's, on our side)."""
@@ -291,8 +319,12 @@ async def measure_launch(
                 await client.group(groups[0], 8, 0.0, 0)  # warm-up, untimed
                 for temp in args.temperatures:
                     result["cells"][(batch, temp)] = await measure_cell(client, groups, temp, args)
-            if ttft_prompt and 1 in batches:  # a one-token greedy request's wall time
-                ttfts = [await client.group([ttft_prompt], 1, 0.0, s) for s in range(args.repeats)]
+            if ttft_prompts and 1 in batches:  # one-token greedy requests' wall times
+                ttfts = [
+                    await client.group([p], 1, 0.0, s)
+                    for s in range(args.repeats)
+                    for p in ttft_prompts
+                ]
                 result["ttft"] = statistics.median(seconds for seconds, _ in ttfts)
             if launch.side is LLAMA or launch.spec == "none":
                 result["weight_bytes"] = await client.weight_bytes()
@@ -303,22 +335,39 @@ async def measure_launch(
 
 
 def bench_prompts(
-    tokenizer: Tokenizer, count: int, ttft_tokens: int, chat: bool = False
-) -> tuple[list[Prompt], list | None]:
-    """The first `count` held-out prompts as token ids, or (chat) the held-out chat questions
-    as one-message chats; and (None for 0) a prompt of exactly `ttft_tokens` ids: all of the
-    texts joined."""
+    tokenizer: Tokenizer, count: int, ttft_tokens: int, workload: str = "text"
+) -> tuple[list[Prompt], list[Prompt]]:
+    """The workload's first `count` requests, and those whose time to first token is
+    measured (none for --ttft-tokens 0): text's, a prompt of exactly `ttft_tokens` ids (all
+    of the held-out texts joined); the other workloads', their own requests."""
+    if workload != "text":
+        prompts = workload_prompts(tokenizer, workload)[:count]
+        return prompts, prompts if ttft_tokens else []
     texts = heldout_prompts(64)
-    prompts: list[Prompt] = [tokenizer.encode(text) for text in texts[:count]]
-    if chat:
-        questions = json.loads(CHAT_PROMPTS.read_text())[:count]
-        prompts = [[{"role": "user", "content": q}] for q in questions]
+    ids: list[Prompt] = [tokenizer.encode(text) for text in texts[:count]]
     if not ttft_tokens:
-        return prompts, None
+        return ids, []
     joined = [t for text in texts for t in tokenizer.encode(text + "\n")]
     if len(joined) < ttft_tokens:
         raise RuntimeError(f"the held-out texts hold {len(joined)} tokens, under --ttft-tokens")
-    return prompts, joined[:ttft_tokens]
+    return ids, [joined[:ttft_tokens]]
+
+
+def workload_prompts(tokenizer: Tokenizer, workload: str) -> list[Prompt]:
+    """chat: the held-out chat questions; the code workloads of bench/code.py."""
+    if workload == "complete":
+        return [FillPrompt(f, tokenizer.encode_fill(f.prefix, f.suffix)) for f in completions()]
+    questions = {"chat": lambda: json.loads(CHAT_PROMPTS.read_text()), "code-chat": chats}
+    texts = questions[workload]() if workload in questions else edits()
+    return [[{"role": "user", "content": text}] for text in texts]
+
+
+def prompt_length(tokenizer: Tokenizer, prompt: Prompt) -> int:
+    if isinstance(prompt, FillPrompt):
+        return len(prompt.ids)
+    if prompt and isinstance(prompt[0], dict):
+        return len(tokenizer.encode_chat(prompt))  # type: ignore[arg-type]
+    return len(prompt)
 
 
 # ---- rows and outputs ----
@@ -446,7 +495,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Namespace:
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's -t and the bandwidth's")
     p.add_argument("--server-args", default="", help="more flags for server.py")
     p.add_argument(
-        "--chat", action="store_true", help="chat questions through the chat route, EOS honoured"
+        "--workload",
+        choices=WORKLOADS,
+        default="text",
+        help="text: held-out texts as ids, EOS ignored; chat: held-out chat questions; "
+        "complete, code-chat, edits: bench/code.py's (EOS honoured but in text)",
     )
     p.add_argument("--weights", choices=WEIGHTS, default="auto", help="our server's --weights")
     p.add_argument("--llama-args", default="", help="more flags for llama-server")
@@ -471,16 +524,19 @@ def run(args: Namespace) -> JSON:
     start = time.perf_counter()
     bandwidth = read_bandwidth(args.threads)  # before any server takes the cores
     tokenizer = Tokenizer(args.model)
-    prompts, ttft_prompt = bench_prompts(tokenizer, args.prompts, args.ttft_tokens, args.chat)
-    longest = max(len(tokenizer.encode_chat(p) if args.chat else p) for p in prompts)
+    prompts, ttft_prompts = bench_prompts(tokenizer, args.prompts, args.ttft_tokens, args.workload)
+    longest = max(prompt_length(tokenizer, p) for p in prompts)
     plan = launches(args, longest + args.max_tokens + 2 * args.k + 8)
     results: dict[tuple, JSON] = {}
     for round_ in range(args.rounds):  # the sides take turns: the machine's drift hits both
         for launch in plan:
-            print(f"bench.peer: round {round_ + 1}: {launch.side.name} {launch.spec} "
-                  f"(np {launch.slots})", flush=True)  # fmt: skip
+            print(
+                f"bench.peer: round {round_ + 1}: {launch.side.name} {launch.spec} "
+                f"(np {launch.slots})",
+                flush=True,
+            )
             key = (launch.side.name, launch.spec, launch.slots)
-            result = asyncio.run(measure_launch(launch, prompts, ttft_prompt, args))
+            result = asyncio.run(measure_launch(launch, prompts, ttft_prompts, args))
             results[key] = merged(results[key], result) if key in results else result
     weights = {}  # every llama.cpp launch holds the same GGUF
     for (side, _, _), result in results.items():

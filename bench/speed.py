@@ -67,7 +67,7 @@ def spec_config(method: str, args: argparse.Namespace) -> SpecConfig:
     """The speculative configuration of an engine method; MethodUnavailable if not built."""
     base, _, variant = method.partition("-")
     if base == "none":
-        return SpecConfig()
+        return SpecConfig("none")
     fields: dict[str, Any] = {"method": base, "num_speculative_tokens": args.k}
     directories = {"draft": args.draft_model, "eagle": args.eagle_head, "mtp": args.mtp_head}
     fields["draft"] = directories.get(base)
@@ -84,7 +84,7 @@ def spec_config(method: str, args: argparse.Namespace) -> SpecConfig:
 
 
 def target_dir(args: argparse.Namespace) -> Path:
-    return model_path(args.model) if args.model else DEMO_DIR / "target"
+    return model_path(args.model)
 
 
 def build_runners(args: argparse.Namespace, max_len: int) -> dict[str, Runner]:
@@ -162,7 +162,7 @@ def parse_args(
     p.add_argument("--prompts", type=int, default=8, help="requests per cell (>= one batch)")
     p.add_argument("--k", type=int, default=4, help="draft tokens a step (mtp-1: 1)")
     p.add_argument("--k-mode", choices=("fixed", "engine"), default="fixed")
-    p.add_argument("--model", help="target: smollm2, a directory or a GGUF (default: the demo's)")
+    p.add_argument("--model", default="demo", help="target: demo, smollm2, a directory or a GGUF")
     p.add_argument("--chat", action="store_true", help="the held-out chat prompts, as chats")
     p.add_argument("--draft-model", help="draft model directory (default: the demo's)")
     p.add_argument("--eagle-head", help="EAGLE head directory (default: the demo's)")

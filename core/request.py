@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 from core.params import SamplingParams
 
-PRIOR_RATE = 0.6  # acceptance assumed for a new request (the demo pair's greedy is ~0.65)
+PRIOR_RATE = 0.6  # acceptance assumed for a new request: near what the demo pair accepts
 PRIOR_WEIGHT = 4.0  # ... worth this many drafted positions
 FORGET = 0.95  # per step: recent steps count more (acceptance drifts with the text)
 

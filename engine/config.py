@@ -1,13 +1,94 @@
-"""Engine configuration: frozen dataclasses, validated once, built by the CLIs."""
+"""Engine configuration: frozen dataclasses, validated once; the one source of every flag.
+
+A field made with `option(...)` is a command-line flag: its name (`max_running` ->
+`--max-running`, or the flag it names), its type and its default are the field's, so the
+command line and the library cannot disagree. `add_options` adds a dataclass's flags to a
+parser; `from_options` builds the dataclass from what was parsed.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import importlib.util
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+# ---------------------------------------------------------------------------------------------
+# Flags from fields
+
+
+def option(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = None,
+    metavar: str | None = None,
+    choices: tuple[Any, ...] | None = None,
+    parse: Callable[[str], Any] | None = None,
+    many: bool = False,
+) -> Any:
+    """A dataclass field with its flag: `help` says what it does; a boolean's flag flips the
+    default (`--no-prefix-cache` for a field that defaults to True); `parse` reads one value,
+    `many` takes a list of them (the field holds a tuple)."""
+    meta = dict(help=help, flag=flag, metavar=metavar, choices=choices, parse=parse, many=many)
+    return field(default=default, metadata=meta)
+
+
+def options(config: type) -> list[dataclasses.Field]:
+    """The fields of a config dataclass that are flags."""
+    return [f for f in dataclasses.fields(config) if "help" in f.metadata]
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
+PARSERS: dict[str, Callable[[str], Any]] = {"int": int, "float": float}
+
+
+def add_options(parser: argparse.ArgumentParser, config: type, title: str) -> None:
+    """Add each option of `config` to `parser`, in a group of the help named `title`."""
+    group = parser.add_argument_group(title)
+    for f in options(config):
+        meta, dest = f.metadata, f"{config.__name__}.{f.name}"
+        default: Any = f.default
+        if f.type == "bool":
+            action = "store_false" if default else "store_true"
+            group.add_argument(flag_of(f), dest=dest, action=action, help=meta["help"])
+            continue
+        shown = "" if default is None or meta["many"] else f" (default: {default})"
+        group.add_argument(
+            flag_of(f),
+            dest=dest,
+            default=list(default) if meta["many"] else default,
+            type=meta["parse"] or PARSERS.get(str(f.type), str),
+            choices=meta["choices"],
+            metavar=None if meta["choices"] else meta["metavar"] or f.name.upper(),
+            nargs="*" if meta["many"] else None,
+            help=meta["help"] + shown,
+        )
+
+
+def from_options(config: type, parsed: argparse.Namespace, **given: Any) -> Any:
+    """The dataclass made of what `parsed` holds for its options, and `given`."""
+    values = vars(parsed)
+    for f in options(config):
+        value = values[f"{config.__name__}.{f.name}"]
+        given[f.name] = tuple(value) if f.metadata["many"] else value
+    return config(**given)
+
+
+# ---------------------------------------------------------------------------------------------
+# The configs
 
 # grammar: no model; a request's drafts are what its grammar implies (structured output)
-SPECULATIVE_METHODS = ("none", "draft", "ngram", "suffix", "eagle", "mtp", "grammar", "hybrid")
+SPECULATIVE_METHODS = (
+    *("auto", "none", "draft", "ngram", "suffix", "eagle", "mtp", "grammar", "hybrid"),
+)
+MODELLESS = ("none", "ngram", "suffix", "grammar")  # the methods that draft with no model
 HEADS = ("eagle", "mtp")
 MODEL_DRAFTERS = ("draft", *HEADS)  # drafters with a model and a KV cache of their own
 ATTENTION_BACKENDS = ("torch", "flashinfer")  # engine/builder.py makes them
@@ -33,16 +114,29 @@ KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 @dataclass(frozen=True)
 class KVConfig:
-    page_size: int = 16  # FlashInfer's usual page; small enough that rollback wastes little
-    num_pages: int = 0  # 0: as many as `memory_fraction` of free memory holds
-    # KV budget (the target's cache and a drafter's, which gets half) when num_pages is 0
-    memory_bytes: int = 1 << 30
-    # full pages found again by their tokens and every token before (kv/prefix.py), shared
-    # between requests
-    prefix_cache: bool = True
-    # KV_DTYPES; "auto": float16 for a float32 model on the CPU (as llama.cpp keeps it: half
-    # the bytes every attention reads, converted by F16C's instructions), else the model's
-    dtype: str = "auto"
+    # FlashInfer's usual page; small enough that rollback wastes little
+    page_size: int = option(16, "tokens per KV page", metavar="N")
+    num_pages: int = option(0, "KV pages; 0: as many as --kv-memory-bytes holds", metavar="N")
+    memory_bytes: int = option(
+        1 << 30,
+        "the KV budget when --num-pages is 0: the target's cache and a drafter's, which gets half",
+        flag="--kv-memory-bytes",
+        metavar="BYTES",
+    )
+    # full pages found again by their tokens and every token before (kv/prefix.py)
+    prefix_cache: bool = option(
+        True,
+        "re-prefill every prompt whole instead of sharing the KV pages of a prefix seen "
+        "before (a second turn of a chat, a common system prompt)",
+        flag="--no-prefix-cache",
+    )
+    dtype: str = option(
+        "auto",
+        "the KV cache's dtype; auto: float16 for a float32 model on the CPU (as llama.cpp "
+        "keeps it: half the bytes every attention reads), else the model's",
+        flag="--kv-dtype",
+        choices=KV_DTYPES,
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in KV_DTYPES:
@@ -55,39 +149,96 @@ class KVConfig:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    method: str = "none"
-    draft: str | None = None  # draft model / head directory; None: the built-in demo's
-    num_speculative_tokens: int = 4  # k: the demo pair's acceptance peaks around 4 (bench/)
+    method: str = option(
+        "auto",
+        "how draft tokens are proposed; none: no speculation; draft: a draft model; ngram: "
+        "the context's earlier text; suffix: suffix decoding over the request's context and "
+        "recent outputs; eagle, mtp: a head; grammar: no model, what a request's grammar "
+        "implies; hybrid: suffix where it expects to pay, else --hybrid-head; auto: draft "
+        "for the models that ship a draft model (demo, qwen2.5-coder), ngram for the others",
+        flag="--speculative",
+        choices=SPECULATIVE_METHODS,
+    )
+    draft: str | None = option(
+        None,
+        "draft model (a directory or a .gguf file), EAGLE or MTP head; default: the demo's, "
+        "the shipped heads, or the pair's draft model",
+        metavar="PATH",
+    )
+    # k: the demo pair's acceptance peaks around 4 (bench/)
+    num_speculative_tokens: int = option(
+        4,
+        "draft tokens a step; with the cost model, the most (MTP with 1: no-sync mode)",
+        metavar="K",
+    )
     # a sampled request's drafts are draws from the drafter's processed q (accepted with
     # min(1, p/q), far more often than the argmax's p at temperature 1): a chain's tokens, a
     # fixed tree's children (independent draws at each node, verified by the multi-draft rule);
     # an all-greedy step drafts the argmax either way, and a dynamic tree, which ranks its
     # candidates by score, always verifies top-k children (point masses)
-    sampled_drafts: bool = True
+    sampled_drafts: bool = option(
+        True,
+        "chains and fixed trees: draft the drafter's top tokens for sampled requests too, "
+        "instead of draws from its distribution (which the target accepts far more often "
+        "at temperature > 0)",
+        flag="--argmax-drafts",
+    )
     # a request's grammar masks the drafter's q too (grammar-aware drafting): no draft is spent
     # on a token the grammar forbids, and a token the grammar forces is drafted for free
-    grammar_drafting: bool = True
-    ngram_min: int = 1  # n-gram drafter: shortest suffix matched against the context
-    ngram_max: int = 4  # longest suffix tried first
+    grammar_drafting: bool = option(
+        True,
+        "structured output: drafters draft from their own distribution, not from it masked "
+        "by the request's grammar (the sampler still rejects what the grammar forbids)",
+        flag="--no-grammar-drafting",
+    )
+    ngram_min: int = option(1, "n-gram drafter: shortest suffix matched", metavar="N")
+    ngram_max: int = option(4, "n-gram drafter: longest suffix, tried first", metavar="N")
     # the cost model picks each step's k in 0..num_speculative_tokens (engine/cost.py): a fixed
     # k loses at large batch or poor acceptance, where verifying k + 1 rows costs more than
     # the accepted tokens save
-    adaptive_k: bool = True
-    calibration: str | None = None  # cost curves: loaded from here if present, else saved
-    # a head's (EAGLE or MTP) tree drafting: a chain verifies the fewest rows; trees pay with
-    # a head that accepts well (the verify batch holds tree_nodes + 1 rows per sequence)
-    tree: str = "chain"
-    # dynamic tree: N nodes; a verify of N + 1 rows costs more than a one-token step, and
-    # the more so the larger N (docs/performance.md: One-off studies; bench/results/NOTES.md)
-    tree_nodes: int = 8
-    tree_depth: int = 4  # dynamic tree: levels drafted; acceptance rarely runs deeper
-    tree_topk: int = 4  # dynamic tree: children per expanded node, nodes expanded per level
-    tree_paths: tuple[tuple[int, ...], ...] = FIXED_TREE  # fixed tree: its nodes (8, as above)
+    adaptive_k: bool = option(
+        True,
+        "draft exactly K tokens every step instead of letting the cost model choose 0..K",
+        flag="--fixed-k",
+    )
+    calibration: str | None = option(
+        None, "cost model curves: read if present, else saved", metavar="PATH"
+    )
+    # a chain verifies the fewest rows; trees pay with a head that accepts well (the verify
+    # batch holds tree_nodes + 1 rows per sequence)
+    tree: str = option(
+        "chain",
+        "EAGLE and MTP heads: draft a chain, a fixed tree or the dynamic EAGLE-2 tree",
+        choices=TREE_SHAPES,
+    )
+    # a verify of N + 1 rows costs more than a one-token step, and the more so the larger N
+    # (docs/performance.md: One-off studies; bench/results/NOTES.md)
+    tree_nodes: int = option(8, "dynamic tree: nodes verified a step", metavar="N")
+    # levels drafted; acceptance rarely runs deeper
+    tree_depth: int = option(4, "dynamic tree: levels drafted", metavar="D")
+    tree_topk: int = option(
+        4, "dynamic tree: children per expanded node, nodes expanded per level", metavar="K"
+    )
+    tree_paths: tuple[tuple[int, ...], ...] = option(
+        FIXED_TREE,
+        "fixed tree: its nodes, each the ranks taken from the root down (0.1: the top "
+        "token's second child); default: 8 nodes, wide near the root",
+        metavar="PATH",
+        parse=lambda path: tuple(int(rank) for rank in path.split(".")),
+        many=True,
+    )
     # hybrid: suffix decoding's draft where it expects at least hybrid_min_score accepted
     # tokens (stages/suffix.py), else the head's (a chain; its refill runs over every
     # committed token, whoever drafted it)
-    hybrid_head: str = "eagle"
-    hybrid_min_score: float = 1.0
+    hybrid_head: str = option(
+        "eagle",
+        "the model --speculative hybrid drafts with where suffix decoding does not: a head "
+        "or the draft model",
+        choices=MODEL_DRAFTERS,
+    )
+    hybrid_min_score: float = option(
+        1.0, "hybrid: suffix drafts where they expect at least S tokens accepted", metavar="S"
+    )
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -190,44 +341,99 @@ WEIGHTS = ("auto", "float32", "bfloat16", "int8")
 DEVICE = re.compile(r"(cpu|cuda(:\d+)?)\Z")
 
 
+DEMO = "demo"  # the tiny family trained by train/ (models/demo)
+SMOLLM2 = "smollm2"  # SmolLM2-135M-Instruct from its registry package
+QWEN_CODER = "qwen2.5-coder"  # Qwen2.5-Coder-1.5B-Instruct drafted by its 0.5B (models/fetch.py)
+WITH_DRAFT_MODEL = (DEMO, QWEN_CODER)  # the named targets that ship a draft model
+
+
+@dataclass(frozen=True)
+class DebugConfig:
+    """What tests turn (no flags)."""
+
+    pipelined: bool = True  # plan step N+1 while the device runs step N
+    device_delay: float = 0.0  # a random delay (seconds) injected into device work
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # Hugging Face directory of the target; None: the built-in demo
+    model: str = option(
+        SMOLLM2,
+        f"target: {SMOLLM2} (SmolLM2-135M-Instruct), {DEMO} (the tiny trained family), "
+        f"{QWEN_CODER} (Qwen2.5-Coder-1.5B-Instruct, its 0.5B the draft model; fetched from "
+        "the registry the first time), a Hugging Face directory or a .gguf file",
+    )
     spec: SpecConfig = field(default_factory=SpecConfig)
     kv: KVConfig = field(default_factory=KVConfig)
-    device: str = "cpu"
-    # the attention backend of every forward (ATTENTION_CHOICES; `backend` resolves auto)
-    attention: str = "auto"
-    # a row's result depends on nothing but its own tokens: not on the other rows, the number
-    # of rows or how a prompt was chunked (greedy output then equals plain decoding's with no
-    # near-tie exception); slower linears at one row and blocked attention
-    batch_invariant: bool = False
-    # a MoE target's expert layers run each forward's tokens in this many micro-batches
-    # (1 or 2: the source design's two halves of a verify batch)
-    moe_micro_batches: int = 1
-    # WEIGHTS: "auto" serves a GGUF file's quantized types as they are stored (a quarter to
-    # an eighth of float32's bytes a forward); "int8" every linear weight-only int8 (a scale
-    # an output row); "float32" and "bfloat16" everything at that dtype
-    weights: str = "auto"
-    # weights and activations (`torch_dtype` resolves auto): the weights' dtype where they
-    # name one, else bfloat16 on CUDA, where the kernels are made for it, and float32 on the
-    # CPU, where bfloat16 checkpoints are upcast
-    dtype: str = "auto"
-    max_running: int = 64  # bound on requests decoding at once
-    max_waiting: int = 256  # bound on the waiting queue; past it submissions are refused
-    max_batch_tokens: int = 512  # prefill tokens per step; longer prompts are chunked
-    max_model_len: int = 0  # 0: the model's max_position_embeddings
-    pipelined: bool = True  # plan step N+1 while the device runs step N
-    trace_file: str | None = None  # step timeline as JSON lines
-    device_delay: float = 0.0  # tests: random delay (seconds) injected into device work
-    seed: int = 0  # seeds requests that bring none
-    # supervision: a loop that completes no step for this long while requests wait is hung
-    # (a prefill chunk of max_batch_tokens takes well under a second on a CPU)
-    watchdog_s: float = 60.0
-    max_failed_steps: int = 8  # consecutive failed steps that open the circuit breaker
-    tensor_parallel_size: int = 1  # ranks the target is split over (engine/parallel.py)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    device: str = option("cpu", "torch device: cpu, cuda, cuda:1, ...")
+    # `backend` resolves auto
+    attention: str = option(
+        "auto",
+        "attention backend of every forward; auto: flashinfer on CUDA where it imports, else "
+        "torch; flashinfer: CUDA, bfloat16 or float16 only",
+        choices=ATTENTION_CHOICES,
+    )
+    # greedy output then equals plain decoding's with no near-tie exception; slower linears
+    # at one row and blocked attention
+    batch_invariant: bool = option(
+        False,
+        "a request's tokens depend on nothing but its own (not on the other requests, the "
+        "number of rows a forward has or prompt chunking): slower, CPU float32 only",
+    )
+    # 2: the source design's two halves of a verify batch
+    moe_micro_batches: int = option(
+        1,
+        "a MoE target's expert layers run each forward's tokens in this many parts",
+        choices=(1, 2),
+    )
+    # auto: a quarter to an eighth of float32's bytes a forward for a quantized file
+    weights: str = option(
+        "auto",
+        "auto: a .gguf file served at its own quantized types (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, "
+        "Q6_K by the native kernels on the CPU; other types dequantized, named in the start "
+        "log), a Hugging Face directory at its dtype; float32, bfloat16, int8 (weight-only, a "
+        "scale an output row, CPU only): whatever was loaded converted to that",
+        choices=WEIGHTS,
+    )
+    # `torch_dtype` resolves auto: the weights' dtype where they name one, else bfloat16 on
+    # CUDA, where the kernels are made for it, and float32 on the CPU, where bfloat16
+    # checkpoints are upcast
+    dtype: str = option(
+        "auto",
+        "weights and activations: auto (bfloat16 on CUDA, float32 on the CPU), float32, "
+        "bfloat16 or float16",
+        choices=("auto", *DTYPES),
+    )
+    max_running: int = option(64, "requests decoding at once", metavar="N")
+    max_waiting: int = option(256, "waiting requests; past them: 503", metavar="N")
+    max_batch_tokens: int = option(
+        512, "prefill tokens a step; longer prompts are chunked", metavar="N"
+    )
+    max_model_len: int = option(0, "context in tokens; 0: the model's", metavar="N")
+    trace_file: str | None = option(
+        None, "write the step timeline to this file, as JSON lines", metavar="PATH"
+    )
+    seed: int = option(0, "seed of the requests that bring none", metavar="N")
+    # a prefill chunk of max_batch_tokens takes well under a second on a CPU
+    watchdog_s: float = option(
+        60.0,
+        "exit (status 1) when no step completes for S seconds while requests wait",
+        flag="--watchdog-seconds",
+        metavar="S",
+    )
+    max_failed_steps: int = option(8, "consecutive failed steps that stop the engine", metavar="N")
+    tensor_parallel_size: int = option(
+        1,
+        "ranks the target is split over: N processes on this machine (gloo), or the group "
+        "torchrun started; Hugging Face directories in float32/bfloat16 only; k is fixed",
+        metavar="N",
+    )
 
     def __post_init__(self) -> None:
+        if self.spec.method == "auto":  # frozen: set once, here, before anyone reads it
+            method = "draft" if self.model in WITH_DRAFT_MODEL else "ngram"
+            object.__setattr__(self, "spec", dataclasses.replace(self.spec, method=method))
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1")
         if self.tensor_parallel_size > 1 and (

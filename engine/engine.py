@@ -95,14 +95,33 @@ class AsyncEngine:
         )
         self.outputs = self.publisher.outputs  # live requests, by id
         self.supervisor = Supervisor(
-            config.max_failed_steps, config.watchdog_s, lambda: list(self.outputs),
-            self.publisher.fail, watch,
-        )  # fmt: skip
+            max_failed_steps=config.max_failed_steps,
+            watchdog_s=config.watchdog_s,
+            live=lambda: list(self.outputs),
+            fail=self.publisher.fail,
+            watch=watch,
+        )
         self.planner = Planner(
-            self.scheduler, self.drafter, self.cost, self.k, config.kv.page_size,
-            self.vocab_size, self.device, self.no_sync, self._record, self.publisher.fail,
-            self.supervisor.count_failure, self._spell,
-        )  # fmt: skip
+            scheduler=self.scheduler,
+            drafter=self.drafter,
+            cost=self.cost,
+            k=self.k,
+            page_size=config.kv.page_size,
+            vocab_size=self.vocab_size,
+            device=self.device,
+            no_sync=self.no_sync,
+            record=self._record,
+            fail=self.publisher.fail,
+            step_failed=self.supervisor.count_failure,
+            spell=self._spell,
+        )
+        self.executor = Executor(
+            device=self.device,
+            stages=self.stages,
+            record=self._record,
+            delay=config.debug.device_delay,
+            group=group,
+        )
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
 
@@ -119,9 +138,6 @@ class AsyncEngine:
     # ---- the public interface ----
 
     async def start(self) -> None:
-        self.executor = Executor(
-            self.device, self.stages, self._record, self.config.device_delay, self.group
-        )
         self._wake = asyncio.Event()
         self._published = -1  # the last step whose tokens reached the requests
         self._publishes = asyncio.Event()  # set at each publish
@@ -236,7 +252,7 @@ class AsyncEngine:
         # insert kernel settles the lengths on the device); other speculation needs them.
         # After a prefill step the next waits for it: a prompt's chunks then never queue up
         # behind each other, and an abort frees the pages at the end of the running chunk.
-        ahead = 2 if self.config.pipelined and (not self.k or self.no_sync) else 1
+        ahead = 2 if self.config.debug.pipelined and (not self.k or self.no_sync) else 1
         lag = ahead
         for step in itertools.count():
             while self._published < step - lag:
@@ -261,7 +277,7 @@ class AsyncEngine:
             else:
                 self.publisher.publish(plan, outcome, time.monotonic())
                 self.supervisor.step_ended(failed=False)
-            if not self.config.pipelined:  # the next plan waits for the whole step
+            if not self.config.debug.pipelined:  # the next plan waits for the whole step
                 await _settled(run.done)
             # the loop wakes once a step: the refill's end is seen by the next publish or plan
             # (a second wake a step costs decoding throughput: each takes the GIL from the

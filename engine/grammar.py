@@ -1,10 +1,10 @@
 """Structured output's grammars: compiled by xgrammar for the served tokenizer, off the event
 loop, with a time limit, and cached by what the request asked for.
 
-xgrammar over llguidance, both measured on SmolLM2's tokenizer (at 4c95eaa, docs/performance.md):
-its token masks are cheaper, and the engine fills one a verified position and one a draft every
-step, while a compile, dearer, is cached; it also gives the string a grammar forces next, which
-host drafts spell.
+xgrammar rather than llguidance (docs/performance.md compares them): its token masks are
+cheaper, and the engine fills one a verified position and one a draft every step, while a
+compile, dearer, is cached; it also gives the string a grammar forces next, which host drafts
+spell.
 """
 
 from __future__ import annotations

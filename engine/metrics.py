@@ -67,9 +67,10 @@ class EngineMetrics:
             "tandem_prefix_cache_hit_rate", "Share of admitted prompt tokens found cached."
         )
         self.memory_bytes = r.gauge(
-            "tandem_memory_bytes", "Bytes held: the weights, the KV cache (target and drafter).",
+            "tandem_memory_bytes",
+            "Bytes held: the weights, the KV cache (target and drafter).",
             ["kind"],
-        )  # fmt: skip
+        )
         self.products = r.gauge(
             "tandem_products",
             "1 for how the target's linears are multiplied (quantized/<kernel path>, a dtype).",

@@ -10,7 +10,6 @@ import logging
 import operator
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -20,6 +19,7 @@ from core.step import Batch, Plan, Sequence, StepKind
 from engine.cost import CostModel
 from engine.executor import Packed
 from engine.scheduler import Scheduler
+from stages.draft import Drafter
 from stages.grammar import host_drafts
 from stages.plan import draft_cap, make_plan, pack
 
@@ -29,8 +29,9 @@ log = logging.getLogger("tandem.engine")
 class Planner:
     def __init__(
         self,
+        *,
         scheduler: Scheduler,
-        drafter: Any,  # stages.draft.Drafter: its host drafts (n-gram)
+        drafter: Drafter,  # its host drafts (n-gram)
         cost: CostModel | None,  # chooses each step's k; None: k is fixed
         k: int,  # the most draft tokens a step
         page_size: int,

@@ -48,10 +48,6 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self, step: int, lookahead: int | None = None) -> Batch | None:
         """The next step's batch, with pages grown for what it writes; None when idle."""
         lookahead = self.lookahead if lookahead is None else lookahead

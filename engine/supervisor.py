@@ -20,6 +20,7 @@ log = logging.getLogger("tandem.engine")
 class Supervisor:
     def __init__(
         self,
+        *,
         max_failed_steps: int,
         watchdog_s: float,
         live: Callable[[], list[str]],  # the ids of the requests being served

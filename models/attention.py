@@ -56,9 +56,14 @@ class TorchPagedAttention:
         usable = native.attention_usable(cache.data, cache.head_dim, cache.queries)
         if meta.max_q <= self.native_max_q and usable:
             self.kernel = native.PagedAttention(
-                ps, write, self._key_rows(meta, cache), meta.kv_lens, meta.q_index,
-                meta.q_positions, meta.mask,
-            )  # fmt: skip
+                ps,
+                write,
+                self._key_rows(meta, cache),
+                meta.kv_lens,
+                meta.q_index,
+                meta.q_positions,
+                meta.mask,
+            )
             return
         self.write_rows = (write, write + ps)  # key and value rows
         self.read_rows, self.kv = self._reads(meta, cache)

@@ -38,17 +38,17 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from models.attention import Attention, TorchPagedAttention
-from models.llama import MLP, RMSNorm, rotate, run_layers
-from models.loader import (
+from models.checkpoint import (
     CONFIG,
     DTYPES,
     WEIGHTS,
     CheckpointError,
-    _first_id,
+    first_id,
     iter_safetensors,
     read_config,
     to_be_loaded,
 )
+from models.llama import MLP, RMSNorm, rotate, run_layers
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 LATENT_NORM_EPS = 1e-6
@@ -496,8 +496,8 @@ def config_from_hf(d: dict[str, Any]) -> DeepseekConfig:
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)),
-            bos_token_id=_first_id(d.get("bos_token_id")),
-            eos_token_id=_first_id(d.get("eos_token_id")),
+            bos_token_id=first_id(d.get("bos_token_id")),
+            eos_token_id=first_id(d.get("eos_token_id")),
         )
     except KeyError as e:
         raise CheckpointError(f"config.json lacks the key {e.args[0]!r}") from None

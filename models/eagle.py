@@ -33,6 +33,7 @@ from torch import nn
 
 from core.step import TargetOutput
 from models.attention import Attention
+from models.checkpoint import CONFIG, WEIGHTS, CheckpointError, read_config, read_safetensors
 from models.llama import (
     MLP,
     DecoderLayer,
@@ -44,15 +45,7 @@ from models.llama import (
     SelfAttention,
     run_layers,
 )
-from models.loader import (
-    CONFIG,
-    WEIGHTS,
-    CheckpointError,
-    config_from_hf,
-    config_to_hf,
-    read_config,
-    read_safetensors,
-)
+from models.loader import config_from_hf, config_to_hf
 
 NORMS_KEY = "eagle_norms"  # config.json flag of our normed variant
 TORCH_WEIGHTS = "pytorch_model.bin"  # SafeAILab's usual file

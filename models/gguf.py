@@ -291,7 +291,7 @@ def _quantized(meta: Metadata, cfg: LlamaConfig, model: LlamaModel) -> dict[str,
             weights = [f"layers.{i}.{n}.weight" for n in names]
             found = {w: read for w in weights if (read := _read(tensors[w], cfg, len(names) == 1))}
             stacked = _stacked(list(found.values())) if len(found) == len(names) else None
-            if stacked is None:  # a float among them, or forms without a common one: all float
+            if stacked is None:  # a float among them, or types mixed on torch's path: all float
                 for w in weights:
                     state[w] = _dequantized(found[w]) if w in found else _float(tensors[w], cfg)
                 continue
@@ -339,9 +339,9 @@ def _float(t: Tensor, cfg: LlamaConfig) -> torch.Tensor:
 
 
 def _stacked(parts: list[Codes | Packed]) -> Codes | Packed | list[Packed] | None:
-    """One weight, or several read as codes (a fused group's) stacked by models.quant.cat,
-    or, where their forms have no common one, packed as parts run side by side (the native
-    kernels'; None on torch's path)."""
+    """One weight, or several read as codes (a fused group's) stacked by models.quant.cat
+    where they are of one type, or else packed as parts run side by side, neighbours of one
+    type stacked (the native kernels'; None on torch's path)."""
     if len(parts) == 1:
         return parts[0]
     codes = [p for p in parts if isinstance(p, Codes)]

@@ -196,10 +196,9 @@ static inline float exp1(float x) { return expn(splatn(x))[0]; }
  * block x 2 halves, a pass then being one block. With several tiles only the first reads
  * the pass's weights from memory, the others from the cache, and the hardware's prefetcher
  * stops with the first: so each tile fetches its share of the next pass's weights ahead,
- * spread over its steps, and the memory keeps streaming while the later tiles compute (16
- * rows of SmolLM2 74-75 -> 54-57 ms; docs/performance.md "Forwards by rows"). (The last tile
- * alone prefetching, tiles of 16 rows x 1 block and tiles taking turns on spans of the inputs
- * measured no faster.) Each output's sum runs over the inputs in order whatever the tiling,
+ * spread over its steps, and the memory keeps streaming while the later tiles compute
+ * (docs/performance.md "Forwards by rows" has the figures, and the tilings tried that were no
+ * faster). Each output's sum runs over the inputs in order whatever the tiling,
  * so the results do not depend on it. */
 #ifdef __AVX512F__
 #define TILE_ROWS 8

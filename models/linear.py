@@ -40,9 +40,11 @@ class FusedLinear(nn.Module):
         bias = None
         if any(b is not None for b in biases):
             bias = torch.cat(
-                [b.detach() if b is not None else weight.new_zeros(lin.out_features)
-                 for b, lin in zip(biases, linears, strict=True)]
-            )  # fmt: skip
+                [
+                    b.detach() if b is not None else weight.new_zeros(lin.out_features)
+                    for b, lin in zip(biases, linears, strict=True)
+                ]
+            )
         self.register_buffer("bias", bias, persistent=False)
         self.sizes = [lin.out_features for lin in linears]
         self.out_features: int = weight.shape[0]

@@ -48,14 +48,6 @@ class LlamaConfig:
                 f"num_kv_heads ({self.num_kv_heads})"
             )
 
-    @property
-    def num_params(self) -> int:
-        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        layer = attn + 3 * h * i + 2 * h
-        heads = 1 if self.tie_word_embeddings else 2
-        return self.num_layers * layer + heads * self.vocab_size * h + h
-
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     """[head_dim / 2] inverse frequencies, with llama3 scaling when configured."""
@@ -336,8 +328,19 @@ class NativeDecoder:
             self.aux_flags[aux_layers] = flags, len(chosen)
         every, count = self.aux_flags[aux_layers]
         out = x.new_empty(count, *x.shape)
-        native.decode_layers(x, self.table, self.shape, self.inter, self.eps, cos, sin,
-                             attn.kernel, attn.cache.data, out, every)  # fmt: skip
+        native.decode_layers(
+            x,
+            self.table,
+            self.shape,
+            self.inter,
+            self.eps,
+            cos,
+            sin,
+            attn.kernel,
+            attn.cache.data,
+            out,
+            every,
+        )
         return list(out.unbind(0))
 
 

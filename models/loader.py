@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,21 +17,27 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from models.checkpoint import CheckpointError, to_be_loaded
+from models.checkpoint import (
+    CONFIG,
+    DTYPES,
+    WEIGHTS,
+    CheckpointError,
+    first_id,
+    iter_safetensors,
+    read_config,
+    safetensors_files,
+    to_be_loaded,
+)
+from models.deepseek import load_deepseek
 from models.gguf import load_gguf_model
 from models.llama import LlamaConfig, LlamaModel, Rotary
 from models.parallel import Shard, shard_module
-
-CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
 
 MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # buffers some older checkpoints carry; we recompute them
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -65,8 +71,8 @@ def config_from_hf(d: dict[str, Any]) -> LlamaConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM",
             architecture=arch,
-            bos_token_id=_first_id(d.get("bos_token_id")),
-            eos_token_id=_first_id(d.get("eos_token_id")),
+            bos_token_id=first_id(d.get("bos_token_id")),
+            eos_token_id=first_id(d.get("eos_token_id")),
         )
     except KeyError as e:
         raise CheckpointError(f"config.json lacks the key {e.args[0]!r}") from None
@@ -179,59 +185,11 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     return float(theta), {"rope_type": "llama3"} | {k: scaling[k] for k in LLAMA3_KEYS}
 
 
-def _first_id(value: int | list[int] | None) -> int | None:
-    if isinstance(value, list):
-        return value[0] if value else None
-    return value
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     for name, dt in DTYPES.items():
         if dt == dtype:
             return name
     raise CheckpointError(f"unsupported dtype {dtype} (expected one of {list(DTYPES)})")
-
-
-def read_config(directory: str | Path) -> dict[str, Any]:
-    path = Path(directory) / CONFIG
-    if not path.is_file():
-        raise CheckpointError(f"no {CONFIG} in {directory}")
-    with open(path) as f:
-        return json.load(f)
-
-
-# ---------------------------------------------------------------- safetensors
-
-
-def safetensors_files(directory: str | Path) -> list[Path]:
-    """The weight files of a directory: model.safetensors, or the shards its index names."""
-    root = Path(directory)
-    if (root / WEIGHTS).is_file():
-        return [root / WEIGHTS]
-    if not (root / INDEX).is_file():
-        raise CheckpointError(f"no {WEIGHTS} or {INDEX} in {directory}")
-    with open(root / INDEX) as f:
-        weight_map = json.load(f).get("weight_map")
-    if not isinstance(weight_map, dict):
-        raise CheckpointError(f"{INDEX} in {directory} has no weight_map")
-    files = [root / name for name in sorted(set(weight_map.values()))]
-    for path in files:
-        if not path.is_file():
-            raise CheckpointError(f"shard {path.name} listed in {INDEX} is missing")
-    return files
-
-
-def iter_safetensors(directory: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) for every tensor of a directory, one at a time (bounded memory)."""
-    for path in safetensors_files(directory):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-
-
-def read_safetensors(directory: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a directory (single file or sharded) by its name in the file."""
-    return dict(iter_safetensors(directory))
 
 
 # ---------------------------------------------------------------- model
@@ -259,8 +217,6 @@ def load_model(
         return load_gguf_model(directory, dtype, device, cache_dir, quantized)
     d = read_config(directory)
     if d.get("architectures") == ["DeepseekV3ForCausalLM"]:
-        from models.deepseek import load_deepseek  # models.deepseek builds on this module
-
         if shard is not None:
             raise ValueError("a DeepSeek model is not served with tensor parallelism yet")
         return load_deepseek(directory, dtype, device)  # type: ignore[return-value]

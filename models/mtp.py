@@ -33,6 +33,15 @@ from torch import nn
 from core.step import TargetOutput
 from models import deepseek
 from models.attention import Attention
+from models.checkpoint import (
+    CONFIG,
+    DTYPES,
+    WEIGHTS,
+    CheckpointError,
+    iter_safetensors,
+    read_config,
+    to_be_loaded,
+)
 from models.deepseek import DeepseekConfig, DeepseekLayer, DeepseekRotary
 from models.llama import (
     DecoderLayer,
@@ -43,17 +52,7 @@ from models.llama import (
     Rotary,
     run_layers,
 )
-from models.loader import (
-    CONFIG,
-    DTYPES,
-    WEIGHTS,
-    CheckpointError,
-    config_from_hf,
-    config_to_hf,
-    iter_safetensors,
-    read_config,
-    to_be_loaded,
-)
+from models.loader import config_from_hf, config_to_hf
 
 ARCHITECTURE = "TandemMTPHead"
 # tensors of a DeepSeek MTP layer that duplicate the target's (shared here, so not loaded)

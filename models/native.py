@@ -100,11 +100,17 @@ def linear(
     y = x.new_empty(rows, out_features)
     int8 = weight.dtype == torch.int8
     _kernels.linear(
-        y.data_ptr(), x.data_ptr(), 0 if int8 else weight.data_ptr(),
-        weight.data_ptr() if int8 else 0, scales.data_ptr() if scales is not None else 0,
-        bias.data_ptr() if bias is not None else 0, rows, inp, out_features,
+        y.data_ptr(),
+        x.data_ptr(),
+        0 if int8 else weight.data_ptr(),
+        weight.data_ptr() if int8 else 0,
+        scales.data_ptr() if scales is not None else 0,
+        bias.data_ptr() if bias is not None else 0,
+        rows,
+        inp,
+        out_features,
         torch.get_num_threads(),
-    )  # fmt: skip
+    )
     return y
 
 
@@ -204,8 +210,13 @@ class PagedAttention:
         self.seqs, self.qmax = q_positions.shape
         self.lmax = read_rows.shape[-1]
         # kept: the kernel reads them through their pointers
-        self.tensors = [ints(write_rows), ints(read_rows), ints(kv_lens), ints(q_index),
-                        ints(q_positions)]  # fmt: skip
+        self.tensors = [
+            ints(write_rows),
+            ints(read_rows),
+            ints(kv_lens),
+            ints(q_index),
+            ints(q_positions),
+        ]
         if mask is not None:
             self.tensors.append(mask.contiguous().view(torch.uint8))
         self.pointers = [t.data_ptr() for t in self.tensors] + ([] if mask is not None else [0])
@@ -225,11 +236,27 @@ class PagedAttention:
             raise ValueError("paged attention: the store must be contiguous")
         out = q.new_empty(tokens, hq, dim)
         _kernels.paged_attention(
-            out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), store.data_ptr(),
-            *self.pointers, tokens, self.seqs, self.qmax, self.lmax, hq, k.shape[1], dim,
-            self.page_size, q.stride(0), k.stride(0), v.stride(0), dim**-0.5,
-            torch.get_num_threads(), store.dtype == torch.float16,
-        )  # fmt: skip
+            out.data_ptr(),
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            store.data_ptr(),
+            *self.pointers,
+            tokens,
+            self.seqs,
+            self.qmax,
+            self.lmax,
+            hq,
+            k.shape[1],
+            dim,
+            self.page_size,
+            q.stride(0),
+            k.stride(0),
+            v.stride(0),
+            dim**-0.5,
+            torch.get_num_threads(),
+            store.dtype == torch.float16,
+        )
         return out
 
 
@@ -251,12 +278,30 @@ def decode_layers(
     if not (x.is_contiguous() and store.is_contiguous() and cos.is_contiguous()):
         raise ValueError("decode_layers: x, the cache and cos must be contiguous")
     _kernels.decode_layers(
-        x.data_ptr(), table.data_ptr(), table.shape[0], x.shape[0], x.shape[1], hq, hkv, dim,
-        inter, eps, cos.data_ptr(), sin.data_ptr(), store.data_ptr(), store.stride(0),
-        *attention.pointers, attention.seqs, attention.qmax, attention.lmax,
-        attention.page_size, aux_out.data_ptr(), aux_every.data_ptr(), torch.get_num_threads(),
+        x.data_ptr(),
+        table.data_ptr(),
+        table.shape[0],
+        x.shape[0],
+        x.shape[1],
+        hq,
+        hkv,
+        dim,
+        inter,
+        eps,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        store.data_ptr(),
+        store.stride(0),
+        *attention.pointers,
+        attention.seqs,
+        attention.qmax,
+        attention.lmax,
+        attention.page_size,
+        aux_out.data_ptr(),
+        aux_every.data_ptr(),
+        torch.get_num_threads(),
         store.dtype == torch.float16,
-    )  # fmt: skip
+    )
 
 
 def _rows_ok(x: torch.Tensor) -> bool:

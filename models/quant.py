@@ -96,27 +96,19 @@ def form(bits: int, half: bool, zero: int, supers: bool = False) -> int:
 
 
 def cat(parts: list[Codes]) -> Codes | None:
-    """Weights stacked along their outputs (q|k|v, gate|up), at the widest of their forms:
-    narrower codes go to 8 bits, float16 scales to float32 and implied offsets to stored ones
-    where the parts differ, all exact; None where a part's form has no wider one (6-bit codes
-    beside others)."""
+    """Weights of one form stacked along their outputs (q|k|v, gate|up); None where the parts'
+    forms (their types) differ: those run side by side as parts, each at its own width."""
+    if len({(p.form, p.block) for p in parts}) > 1:
+        return None
     if len(parts) == 1:
         return parts[0]
-    forms = {(p.bits, p.block) for p in parts}
-    if len(forms) > 1 and any(bits == 6 for bits, _ in forms):
-        return None
-    bits = next(iter(forms))[0] if len(forms) == 1 else 8
-    zeros = {p.zero for p in parts}
-    same = len(forms) == 1 and len(zeros) == 1
-    return Codes(
-        torch.cat([p.codes for p in parts]),
-        torch.cat([p.d for p in parts]),
-        torch.cat([p.m for p in parts]),
-        bits,
-        all(p.half for p in parts),
-        parts[0].block,
-        zeros.pop() if len(zeros) == 1 else 0,
-        _cat_supers([p.supers for p in parts]) if same else None,
+    first = parts[0]
+    return replace(
+        first,
+        codes=torch.cat([p.codes for p in parts]),
+        d=torch.cat([p.d for p in parts]),
+        m=torch.cat([p.m for p in parts]),
+        supers=_cat_supers([p.supers for p in parts]),
     )
 
 

@@ -13,9 +13,9 @@ from typing import Any, NoReturn
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from models.checkpoint import CheckpointError
 from models.gguf import is_gguf
 from models.gguf_tokenizer import tokenizer_from_gguf
-from models.loader import CheckpointError
 
 REPLACEMENT = "\ufffd"  # what a lossy UTF-8 decode yields for an incomplete byte sequence
 # prompt tokens decoded before the first output token, so that decoders that strip a leading
@@ -124,6 +124,15 @@ class Tokenizer:
             if all(i is not None for i in ids):
                 return ids[0], ids[1], ids[2]  # type: ignore[return-value]
         return None
+
+    def encode_fill(self, prefix: str, suffix: str) -> list[int]:
+        """A fill in the middle's prompt: <prefix marker> prefix <suffix marker> suffix
+        <middle marker>, as the model was trained to fill; the model must have the markers."""
+        assert self.fim_ids is not None, "this vocabulary has no fill-in-the-middle tokens"
+        start, middle, end = self.fim_ids
+        head = self.encode(prefix, add_special_tokens=False)
+        tail = self.encode(suffix, add_special_tokens=False)
+        return [start, *head, middle, *tail, end]
 
     @functools.cached_property
     def fim_stop_ids(self) -> tuple[int, ...]:

@@ -15,7 +15,7 @@ from typing import Any
 from core.request import Request
 from core.step import Sequence
 from engine.builder import DEMO_DIR
-from engine.config import EngineConfig, KVConfig, SpecConfig
+from engine.config import DebugConfig, EngineConfig, KVConfig, SpecConfig
 from engine.engine import AsyncEngine
 from engine.request import Delta, SamplingParams
 from kv.table import PageTable
@@ -40,7 +40,8 @@ def make_config(
     fields = {"adaptive_k": False} | (spec_kw or {})
     spec = SpecConfig(method=method, draft=draft, num_speculative_tokens=k, **fields)
     kv = KVConfig(page_size=page_size, num_pages=pages, dtype=kv_dtype)
-    return EngineConfig(model=str(target), spec=spec, kv=kv, **kw)
+    debug = {name: kw.pop(name) for name in ("pipelined", "device_delay") if name in kw}
+    return EngineConfig(str(target), spec, kv, DebugConfig(**debug), **kw)
 
 
 @contextlib.asynccontextmanager

@@ -15,7 +15,7 @@ from bench.agentic import (
     questions,
 )
 from bench.common import EngineProcess
-from engine.config import EngineConfig, KVConfig
+from engine.config import EngineConfig, KVConfig, SpecConfig
 from engine.engine import AsyncEngine
 
 
@@ -46,7 +46,9 @@ async def _answer(engine: AsyncEngine, prompt: list[int]) -> list[int]:
 
 
 def test_an_engine_process_runs_jobs_on_its_engine(tiny_target):
-    config = EngineConfig(str(tiny_target), kv=KVConfig(page_size=4, num_pages=64))
+    config = EngineConfig(
+        str(tiny_target), SpecConfig("none"), kv=KVConfig(page_size=4, num_pages=64)
+    )
     cell = EngineProcess(config)
     try:
         first = cell.run(_answer, [1, 2, 3])

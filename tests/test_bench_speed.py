@@ -74,8 +74,15 @@ def test_decode_steps_keep_only_consecutive_full_batch_decodes():
     ends = [1.0, 1.5, 2.25, 3.25, 3.5, 5.0, 5.5, 6.0]
     records = []
     for step, (kind, size, end) in enumerate(zip(kinds, sizes, ends, strict=True)):
-        records.append({"step": step, "stage": "plan", "kind": kind, "batch_size": size,
-                        "num_tokens": 5 * size if kind == "decode" else 40})  # fmt: skip
+        records.append(
+            {
+                "step": step,
+                "stage": "plan",
+                "kind": kind,
+                "batch_size": size,
+                "num_tokens": 5 * size if kind == "decode" else 40,
+            }
+        )
         records.append({"step": step, "stage": "refill", "end": end, "drafter_tokens": step})
     steps, widths, refills = runners.decode_steps(records, batch=2)
     assert steps == pytest.approx([0.75, 1.0, 0.5])  # steps 2, 3 and 7
@@ -129,7 +136,7 @@ def test_fixed_k_turns_the_cost_model_off():
 
 def test_spec_configs_of_the_methods():
     args = speed.parse_args(["--k", "3"])
-    assert speed.spec_config("none", args) == SpecConfig()
+    assert speed.spec_config("none", args) == SpecConfig("none")
     assert speed.spec_config("draft", args).num_speculative_tokens == 3
     assert speed.spec_config("mtp-1", args).num_speculative_tokens == 1
     assert speed.spec_config("mtp-k", args).method == "mtp"

@@ -186,7 +186,9 @@ def test_engine_drafts_less_when_drafts_are_rejected(tiny_target, tiny_draft, mo
     assert not idled  # no cost model, nothing to fade
     spec, by_k = asyncio.run(main("draft"))
     assert spec == plain
-    assert by_k[1] > 0 and by_k[0] > by_k[1] + by_k[2] + by_k[3] + by_k[4], by_k
+    # k = 1 at the prior, never more; k = 0 once rejections are seen, for a share of the
+    # steps that depends on when the staggered requests arrive (new ones start at the prior)
+    assert by_k[1] > 0 and by_k[2] + by_k[3] + by_k[4] == 0 and by_k[0] > by_k[1] / 2, by_k
     assert len(idled) >= by_k[0]  # every sequence of every k = 0 decode step
 
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.request import SamplingParams
 from models.attention import CausalAttention, TorchPagedAttention
+from models.checkpoint import CheckpointError
 from models.deepseek import (
     DeepseekModel,
     LatentAttention,
@@ -25,7 +26,7 @@ from models.deepseek import (
     save_deepseek,
 )
 from models.llama import prepare_for_inference
-from models.loader import CheckpointError, load_model
+from models.loader import load_model
 from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
 from tests.paged import PagedRunner
 from tests.tiny import write_tokenizer
@@ -385,12 +386,27 @@ def test_sampled_output_with_the_checkpoints_mtp_follows_the_target(tmp_path, k)
 
     write_tokenizer(tmp_path)
     cfg = transformers.DeepseekV3Config(
-        vocab_size=stats.VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-        num_attention_heads=2, num_hidden_layers=1, q_lora_rank=None, kv_lora_rank=8,
-        qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4, n_routed_experts=4, n_group=1,
-        topk_group=1, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=0,
-        max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
+        vocab_size=stats.VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        q_lora_rank=None,
+        kv_lora_rank=8,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=4,
+        v_head_dim=4,
+        n_routed_experts=4,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=0,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch.manual_seed(3)
     reference = transformers.DeepseekV3ForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -402,9 +418,16 @@ def test_sampled_output_with_the_checkpoints_mtp_follows_the_target(tmp_path, k)
     with_mtp_layer(reference, tmp_path, seed=4)
     expected = stats.exact_joint(tmp_path)
     config = make_config(
-        tmp_path, "mtp", tmp_path, k=k, pages=3 * stats.N, max_running=stats.N,
-        max_waiting=stats.N, max_batch_tokens=len(stats.PROMPT) * stats.N, max_model_len=16,
-    )  # fmt: skip
+        tmp_path,
+        "mtp",
+        tmp_path,
+        k=k,
+        pages=3 * stats.N,
+        max_running=stats.N,
+        max_waiting=stats.N,
+        max_batch_tokens=len(stats.PROMPT) * stats.N,
+        max_model_len=16,
+    )
     config = dataclasses.replace(config, spec=dataclasses.replace(config.spec, sampled_drafts=True))
 
     async def draws() -> dict[tuple[int, ...], int]:

@@ -48,13 +48,13 @@ async def test_demo_speculation_diverges_only_at_near_ties():
     prompts = heldout(4)
     kv = KVConfig(num_pages=128)
     plain_params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
-    async with running(EngineConfig(kv=kv)) as engine:
+    async with running(EngineConfig("demo", SpecConfig("none"), kv)) as engine:
         plain = [await engine.generate(p, plain_params) for p in prompts]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     # k pinned: what is tested is the pair's output, not whether the cost model (timed on a
     # machine shared with the rest of the suite) finds speculation worth it
     spec_config = SpecConfig(method="draft", adaptive_k=False)
-    async with running(EngineConfig(kv=kv, spec=spec_config)) as engine:
+    async with running(EngineConfig("demo", spec_config, kv)) as engine:
         spec = [await engine.generate(p, params) for p in prompts]
     plain_ids = [token_ids(d) for d in plain]
     gaps = [[lp.top[0][1] - lp.top[1][1] for d in out for lp in d.logprobs] for out in plain]
@@ -83,7 +83,9 @@ async def test_demo_speculation_diverges_only_at_near_ties():
 async def test_head_refill_runs_over_the_accepted_drafts_and_the_emitted_token(method):
     """A head's refill rewrites its KV over every committed position of the step with the
     target's features: the timeline records that width, and bench.speed times it."""
-    config = EngineConfig(kv=KVConfig(num_pages=64), spec=SpecConfig(method, adaptive_k=False))
+    config = EngineConfig(
+        "demo", kv=KVConfig(num_pages=64), spec=SpecConfig(method, adaptive_k=False)
+    )
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     async with running(config) as engine:
         engine.tracer = Tracer(keep=1000)

@@ -13,9 +13,10 @@ from safetensors.torch import save_file
 
 from engine.request import SamplingParams
 from models.attention import CausalAttention
+from models.checkpoint import CheckpointError, read_safetensors
 from models.eagle import EagleHead, load_eagle_head, save_eagle3_head, save_eagle_head
 from models.llama import LlamaConfig, LlamaModel
-from models.loader import CheckpointError, config_to_hf, load_model, read_safetensors
+from models.loader import config_to_hf, load_model
 from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
 from tests.tiny import random_eagle3_head, random_eagle_head
 

@@ -16,9 +16,10 @@ from transformers.models.llama import modeling_llama as hf
 from core.step import TargetOutput
 from models import native
 from models.attention import CausalAttention
+from models.checkpoint import CheckpointError
 from models.eagle import Eagle3Head, default_aux_layers, load_eagle_head, save_eagle3_head
 from models.llama import prepare_for_inference
-from models.loader import CheckpointError, load_model
+from models.loader import load_model
 from tests.paged import PagedRunner
 from tests.tiny import random_eagle3_head
 

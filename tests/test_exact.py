@@ -195,7 +195,7 @@ def test_usage_after_a_stop_string_does_not_depend_on_the_step_sizes(smollm2, st
 # ---- the same text and usage whatever the drafter (demo family, batch-invariant)
 
 DRAFTERS = {
-    "none": SpecConfig(),
+    "none": SpecConfig("none"),
     "draft": SpecConfig(method="draft", adaptive_k=False),
     "ngram": SpecConfig(method="ngram", adaptive_k=False),
     "eagle": SpecConfig(method="eagle", adaptive_k=False),

@@ -11,7 +11,8 @@ import torch
 
 import models.gguf
 from models.attention import CausalAttention
-from models.loader import CheckpointError, load_model
+from models.checkpoint import CheckpointError
+from models.loader import load_model
 from models.tokenizer import Tokenizer
 from tests.tiny import Q8_0, write_gguf, write_model
 

@@ -399,9 +399,16 @@ def test_sampled_output_follows_the_masked_law(law_models, method, seeded):
     assert len(expected) >= len(CHOICES)  # every choice reachable
     drafter = {"none": None, "draft": draft, "eagle": eagle3}[method]
     config = make_config(
-        target, method, drafter, k=2, pages=4 * N, page_size=4, max_running=64, max_waiting=N,
+        target,
+        method,
+        drafter,
+        k=2,
+        pages=4 * N,
+        page_size=4,
+        max_running=64,
+        max_waiting=N,
         max_model_len=16,
-    )  # fmt: skip
+    )
 
     async def draws() -> dict[tuple[int, ...], int]:
         params = SamplingParams(max_tokens=6, temperature=1.0, grammar=grammar)

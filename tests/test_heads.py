@@ -103,9 +103,15 @@ def train_head(kind, target, store, run_dir, steps=25, bf16=False):
     loss = head_train.HeadLoss.default(kind)
     before = head_train.heldout_metrics(head, data, loss)
     cfg = TrainConfig(
-        minutes=10, lr=3e-3, warmup_steps=1, final_lr_ratio=1.0,  # a constant rate
-        batch=4, seq=WINDOW - 1, max_steps=steps, bf16=bf16,
-    )  # fmt: skip
+        minutes=10,
+        lr=3e-3,
+        warmup_steps=1,
+        final_lr_ratio=1.0,  # a constant rate
+        batch=4,
+        seq=WINDOW - 1,
+        max_steps=steps,
+        bf16=bf16,
+    )
     sampler = head_train.IndexSampler(len(data), cfg.batch, seed=0)
     loss_fn = functools.partial(head_train.training_loss, head, data, loss)
     train(head, loss_fn, sampler, cfg, run_dir)

@@ -135,19 +135,31 @@ def test_sampled_hybrid_follows_the_target(tmp_path, model):
         save_eagle_head(head, tmp_path / "h")
     else:
         write_model(tmp_path / "h", layers=1, hidden=16, seed=4, scale=1.5, model_vocab=VOCAB)
-    config = make_config(target, "hybrid", tmp_path / "h", k=2, pages=3 * N, page_size=4,
-                         max_running=N, max_waiting=N, max_batch_tokens=len(PROMPT) * N,
-                         max_model_len=16, spec_kw={"hybrid_min_score": 0.3,
-                                                    "hybrid_head": model})  # fmt: skip
+    config = make_config(
+        target,
+        "hybrid",
+        tmp_path / "h",
+        k=2,
+        pages=3 * N,
+        page_size=4,
+        max_running=N,
+        max_waiting=N,
+        max_batch_tokens=len(PROMPT) * N,
+        max_model_len=16,
+        spec_kw={"hybrid_min_score": 0.3, "hybrid_head": model},
+    )
     choices = ["hybrid", "suffix", model]
 
     async def run():
         async with running(config) as engine:
-            return await asyncio.gather(*(
-                engine.generate(PROMPT, SamplingParams(speculative_method=choices[i % 3],
-                                                       **PARAMS))
-                for i in range(N)
-            ))  # fmt: skip
+            return await asyncio.gather(
+                *(
+                    engine.generate(
+                        PROMPT, SamplingParams(speculative_method=choices[i % 3], **PARAMS)
+                    )
+                    for i in range(N)
+                )
+            )
 
     outs = asyncio.run(run())
     suffix = [o[-1].usage.draft_tokens > 0 for o in outs[1::3]]
@@ -175,10 +187,12 @@ async def test_the_suffix_drafts_where_the_cost_model_turns_the_head_off(
 
     monkeypatch.setattr(Planner, "_draft_length", lambda self, seqs: 0)
     async with running(hybrid(tiny_target, heads["eagle"])) as engine:
-        outs = await asyncio.gather(*(
-            engine.generate(p, dataclasses.replace(GREEDY, speculative_method=c))
-            for p, c in zip(prompts[:6], ["suffix", "eagle"] * 3, strict=True)
-        ))  # fmt: skip
+        outs = await asyncio.gather(
+            *(
+                engine.generate(p, dataclasses.replace(GREEDY, speculative_method=c))
+                for p, c in zip(prompts[:6], ["suffix", "eagle"] * 3, strict=True)
+            )
+        )
     assert [token_ids(o) for o in outs] == expected[:6]
     drafted = [o[-1].usage.draft_tokens for o in outs]
     assert all(n > 0 for n in drafted[0::2]) and drafted[1::2] == [0, 0, 0]

@@ -11,16 +11,14 @@ import transformers
 from safetensors.torch import save_file
 
 from models.attention import CausalAttention
+from models.checkpoint import CheckpointError, read_config, read_safetensors
 from models.llama import LlamaConfig, LlamaModel
 from models.loader import (
-    CheckpointError,
     checkpoint_dtype,
     config_from_hf,
     config_to_hf,
     eos_token_ids,
     load_model,
-    read_config,
-    read_safetensors,
     save_pretrained,
 )
 

@@ -10,8 +10,9 @@ import transformers
 
 from models import native
 from models.attention import CausalAttention
+from models.checkpoint import read_config, read_safetensors
 from models.llama import prepare_for_inference
-from models.loader import checkpoint_dtype, load_model, read_config, read_safetensors
+from models.loader import checkpoint_dtype, load_model
 from tests.paged import PagedRunner
 
 VOCAB = 96

@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 
 from engine.request import SamplingParams
 from models.attention import CausalAttention
-from models.loader import CheckpointError, load_model, read_safetensors, save_pretrained
+from models.checkpoint import CheckpointError, read_safetensors
+from models.loader import load_model, save_pretrained
 from models.mtp import MTPHead, load_mtp_head, save_mtp_head
 from tests import stats
 from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids

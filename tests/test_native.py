@@ -35,8 +35,9 @@ def test_rms_norm(dim):
 
 @needs_kernels
 def test_rope_rotates_in_place_through_a_strided_view():
-    cfg = LlamaConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1,
-                      num_heads=4, num_kv_heads=2)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_heads=4, num_kv_heads=2
+    )
     gen = torch.Generator().manual_seed(0)
     qkv = torch.randn(5, 8 * 16, generator=gen)  # q|k|v of 4 + 2 + 2 heads
     cos, sin = Rotary(cfg)(torch.tensor([0, 3, 17, 300, 2047]), torch.float32)

@@ -81,9 +81,14 @@ def test_sizes_the_heads_do_not_divide_are_refused_with_the_rule():
 
 def test_a_rank_takes_its_heads_and_replicates_a_kv_head_it_shares():
     cfg = LlamaConfig(
-        vocab_size=10, hidden_size=8, intermediate_size=6, num_layers=1, num_heads=4,
-        num_kv_heads=1, head_dim=2,
-    )  # fmt: skip
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=6,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=2,
+    )
     rows = torch.arange(8)[:, None].expand(8, 8)  # row i holds i
     shard = Shard(1, 2)
     assert shard.take("layers.0.self_attn.q_proj.weight", rows, cfg, True)[:, 0].tolist() == [
@@ -193,10 +198,15 @@ def hf_gqa_llama(tmp_path_factory):
     directory = tmp_path_factory.mktemp("hf_gqa")
     vocab = write_tokenizer(directory, 331)
     config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256,
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
         tie_word_embeddings=True,
-    )  # fmt: skip
+    )
     torch.manual_seed(5)
     model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():
@@ -250,9 +260,18 @@ async def test_two_ranks_sample_the_targets_law(tmp_path):
     target = write_model(tmp_path / "t", layers=1, hidden=16, seed=3, scale=1.5, model_vocab=6)
     draft = write_model(tmp_path / "d", layers=1, hidden=16, seed=4, scale=1.5, model_vocab=6)
     config = make_config(
-        target, "draft", draft, k=2, pages=3 * N, page_size=4, max_running=N, max_waiting=N,
-        max_batch_tokens=len(PROMPT) * N, max_model_len=16, tensor_parallel_size=2,
-    )  # fmt: skip
+        target,
+        "draft",
+        draft,
+        k=2,
+        pages=3 * N,
+        page_size=4,
+        max_running=N,
+        max_waiting=N,
+        max_batch_tokens=len(PROMPT) * N,
+        max_model_len=16,
+        tensor_parallel_size=2,
+    )
     async with running_parallel(config) as (engine, _):
         outs = await asyncio.gather(
             *(engine.generate(PROMPT, SamplingParams(**PARAMS)) for _ in range(N))
@@ -318,10 +337,20 @@ def children(pid: int) -> list[int]:
 def test_the_server_exits_naming_a_killed_rank(tmp_path):
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "server.py", "--model", "demo", "--port", str(port),
-         "--tensor-parallel-size", "2"],
-        cwd=ROOT, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "server.py",
+            "--model",
+            "demo",
+            "--port",
+            str(port),
+            "--tensor-parallel-size",
+            "2",
+        ],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_healthy(port, 60)
         [worker] = children(server.pid)
@@ -339,10 +368,21 @@ def test_the_server_exits_naming_a_killed_rank(tmp_path):
 def test_the_server_refuses_a_size_the_heads_do_not_divide(tmp_path):
     target = write_model(tmp_path / "t", hidden=48)  # 3 heads, 1 KV head
     done = subprocess.run(
-        [sys.executable, "server.py", "--model", str(target), "--tensor-parallel-size", "2",
-         "--speculative", "none"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "server.py",
+            "--model",
+            str(target),
+            "--tensor-parallel-size",
+            "2",
+            "--speculative",
+            "none",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 1
     assert "its 3 attention heads must divide by 2" in done.stderr
 
@@ -371,11 +411,27 @@ async def test_torchrun_ranks_serve_one_process_output_and_end_on_a_killed_rank(
     expected = "".join(delta.text for delta in deltas)
     port = free_port()
     agent = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "server.py", "--model", "demo", "--port", str(port), "--tensor-parallel-size", "2",
-         "--speculative", "draft"],
-        cwd=ROOT, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "server.py",
+            "--model",
+            "demo",
+            "--port",
+            str(port),
+            "--tensor-parallel-size",
+            "2",
+            "--speculative",
+            "draft",
+        ],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         base = f"http://127.0.0.1:{port}"
         wait_healthy(port, 90)

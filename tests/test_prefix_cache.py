@@ -97,8 +97,9 @@ def test_random_traffic_never_shares_a_page_under_other_tokens_and_leaks_none(se
     rng = random.Random(seed)
     index = PrefixIndex(PAGE)
     allocator = PageAllocator(24, index)
-    s = Scheduler(allocator, PAGE, max_running=3, max_batch_tokens=12, lookahead=1,
-                  max_model_len=64)  # fmt: skip
+    s = Scheduler(
+        allocator, PAGE, max_running=3, max_batch_tokens=12, lookahead=1, max_model_len=64
+    )
     written: dict[int, int] = {}  # slot -> the token its KV was computed for
     roots = [[rng.randrange(5) for _ in range(rng.randrange(2, 14))] for _ in range(4)]
     finished: list[list[int]] = []

@@ -160,16 +160,18 @@ def test_a_large_table_packs_in_parts_as_it_would_whole(kind, monkeypatch):
     assert torch.equal(parts.data, whole.data) and parts.form == whole.form
 
 
-def test_stacked_weights_of_two_forms_keep_their_values():
-    """q|k|v of a 4-bit and an 8-bit type, float16 and float32 scales: widened, exactly."""
-    a = codes_of(random_blocks(T.Q4_K, 16, 256, seed=9), T.Q4_K, 256)
-    b = codes_of(random_blocks(T.Q8_0, 8, 256, seed=10), T.Q8_0, 256)
+@pytest.mark.parametrize("kind", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K])
+def test_weights_of_one_type_are_stacked_and_of_two_types_are_not(kind):
+    """q|k|v of one type stacked keep their values exactly; of two types, never stacked
+    (Qwen's files put a Q4_K q|k beside a Q6_K v; a Q4_0 beside a Q8_0 would read twice
+    its bytes widened)."""
+    a = codes_of(random_blocks(kind, 16, 256, seed=9), kind, 256)
+    b = codes_of(random_blocks(kind, 8, 256, seed=10), kind, 256)
     both = cat([a, b])
-    assert both is not None
-    assert (both.bits, both.half, both.zero) == (8, False, 0)  # the offsets stored
+    assert both is not None and both.form == a.form
     assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
-    six = codes_of(random_blocks(T.Q6_K, 16, 256, seed=11), T.Q6_K, 256)
-    assert cat([a, six]) is None  # Q6_K's scales each 16 inputs: no common form
+    other = T.Q8_0 if kind != T.Q8_0 else T.Q4_0
+    assert cat([a, codes_of(random_blocks(other, 8, 256, seed=11), other, 256)]) is None
 
 
 def test_parts_without_a_common_form_run_side_by_side():

@@ -54,7 +54,7 @@ DRAFTERS = {
 
 def config(spec: dict, pages: int = 512) -> EngineConfig:
     spec = {"adaptive_k": False} | spec  # k as given, unless the case asks for the cost model
-    return EngineConfig(spec=SpecConfig(**spec), kv=KVConfig(page_size=4, num_pages=pages))
+    return EngineConfig("demo", SpecConfig(**spec), kv=KVConfig(page_size=4, num_pages=pages))
 
 
 def batch_prompts() -> list[list[int]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -26,9 +27,9 @@ from openai import AsyncOpenAI
 
 import server
 from client import TandemClient
-from engine.config import EngineConfig, KVConfig, SpecConfig
+from engine.config import DebugConfig, EngineConfig, KVConfig, SpecConfig
 from engine.engine import AsyncEngine
-from server import ServerOptions, config_from_args, serve
+from server import ServerOptions, build_parser, config_from_args, serve
 from tests.fakes import FakeEngine, FakeTokenizer, served, spy_on_abort
 
 # ---------------------------------------------------------------------------------------------
@@ -365,7 +366,7 @@ async def test_disconnect_mid_stream_aborts(
         engine: Any = FakeEngine(delay=0.02)
     else:  # device work slowed down, so that the request outlives the client
         checkpoint = request.getfixturevalue("tiny_target")
-        engine = real_engine(checkpoint, device_delay=0.005)
+        engine = real_engine(checkpoint, debug=DebugConfig(device_delay=0.005))
     aborts = spy_on_abort(engine)
     async with served(engine) as url:
         stream = await openai_client(url).completions.create(
@@ -397,7 +398,9 @@ async def test_overload_is_a_503_with_retry_after(
         engine: Any = FakeEngine(delay=0.02, max_live=1)
     else:  # one runs, one waits, the next is refused
         checkpoint = request.getfixturevalue("tiny_target")
-        engine = real_engine(checkpoint, max_running=1, max_waiting=1, device_delay=0.005)
+        engine = real_engine(
+            checkpoint, max_running=1, max_waiting=1, debug=DebugConfig(device_delay=0.005)
+        )
     body = {"prompt": "the quick", "max_tokens": 100, "ignore_eos": True}
     async with served(engine) as url, TandemClient(url) as client:
         running = await client.complete(**body, stream=True)
@@ -426,7 +429,7 @@ def test_config_from_args() -> None:
     config, options = config_from_args([])
     assert config.model == "smollm2" and config.spec.method == "ngram" and config.spec.adaptive_k
     demo, _ = config_from_args(["--model", "demo"])
-    assert demo.model is None and demo.spec.method == "draft"
+    assert demo.model == "demo" and demo.spec.method == "draft"
     assert (options.host, options.port, options.api_key) == ("127.0.0.1", 8000, None)
     config, options = config_from_args(
         "--model m --draft d --speculative eagle --num-speculative-tokens 6 --port 0 "
@@ -440,6 +443,35 @@ def test_config_from_args() -> None:
     assert (config.max_running, config.max_waiting, config.max_model_len) == (4, 9, 512)
     assert (config.seed, config.trace_file) == (3, "t.jsonl")
     assert (options.port, options.api_key, options.served_model_name) == (0, "k", "x")
+
+
+CONFIGS = (EngineConfig, SpecConfig, KVConfig, ServerOptions)
+
+
+def test_every_flag_defaults_to_its_fields_default() -> None:
+    """The command line is made from the configs' fields: a flag whose default differs from
+    its field's (a hand-written flag, or a field without one) fails here."""
+    parsed = vars(build_parser().parse_args([]))
+    nested = {"spec", "kv", "debug"}
+    for config in CONFIGS:
+        for f in dataclasses.fields(config):
+            if f.name in nested:
+                continue
+            assert f.metadata.get("help"), f"{config.__name__}.{f.name} has no flag"
+            value = parsed.pop(f"{config.__name__}.{f.name}")
+            assert (tuple(value) if f.metadata["many"] else value) == f.default, f.name
+    assert parsed == {}, "flags without a field"
+    config, options = config_from_args([])
+    assert (config.spec, config.kv, options) == (SpecConfig("ngram"), KVConfig(), ServerOptions())
+
+
+def test_list_flags() -> None:
+    config, options = config_from_args(
+        "--speculative eagle --tree fixed --tree-paths 0 1 0.0 0.0.1 --allowed-origins "
+        "https://a.example".split()
+    )
+    assert config.spec.tree_paths == ((0,), (1,), (0, 0), (0, 0, 1))
+    assert options.allowed_origins == ("https://a.example",)
 
 
 @pytest.mark.parametrize(
@@ -608,12 +640,18 @@ async def test_openai_response_format_and_tools_work_unmodified(tiny_target: Pat
         )
 
         completion = await client.completions.create(
-            model=model, prompt="the answer:", max_tokens=8, temperature=0,
+            model=model,
+            prompt="the answer:",
+            max_tokens=8,
+            temperature=0,
             extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}},
-        )  # fmt: skip
+        )
         assert completion.choices[0].text in ("alpha", "beta")
         regex = await client.completions.create(
-            model=model, prompt="a number:", max_tokens=8, temperature=0,
+            model=model,
+            prompt="a number:",
+            max_tokens=8,
+            temperature=0,
             extra_body={"guided_regex": "[0-9]{2,4}"},
-        )  # fmt: skip
+        )
         assert re.fullmatch("[0-9]{2,4}", regex.choices[0].text)

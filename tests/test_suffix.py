@@ -149,8 +149,9 @@ def test_sampled_suffix_decoding_follows_the_target(tmp_path):
     """Requests in waves, so that later ones draft from earlier ones' outputs (the global
     tree) as well as from their own context."""
     target = write_model(tmp_path / "t", layers=1, hidden=16, seed=3, scale=1.5, model_vocab=VOCAB)
-    config = make_config(target, "suffix", k=3, pages=1024, max_running=200, max_waiting=N,
-                         max_model_len=16)  # fmt: skip
+    config = make_config(
+        target, "suffix", k=3, pages=1024, max_running=200, max_waiting=N, max_model_len=16
+    )
 
     async def draws():
         async with running(config) as engine:

@@ -10,7 +10,7 @@ import pytest
 import tokenizers
 from tokenizers import decoders, pre_tokenizers, processors, trainers
 
-from models.loader import CheckpointError
+from models.checkpoint import CheckpointError
 from models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 CORPUS = [

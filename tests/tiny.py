@@ -13,10 +13,11 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from models.checkpoint import read_config, read_safetensors
 from models.eagle import Eagle3Head, EagleHead
 from models.gguf import LAYER_NAMES, TOP_NAMES
 from models.llama import LlamaConfig, LlamaModel
-from models.loader import load_model, read_config, read_safetensors, save_pretrained
+from models.loader import load_model, save_pretrained
 from models.mtp import MTPHead
 
 TEXT = [

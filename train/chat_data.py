@@ -91,12 +91,14 @@ def read_shards(data: Path) -> list[dict]:
             fields = {name: shard[name] for name in shard.files}
         tokens, offsets = fields["tokens"].astype(np.int64), fields["offsets"]
         for j, prompt in enumerate(fields["prompt"].tolist()):
-            conversations.append({
-                "prompt": prompt,
-                "temperature": round(float(fields["temperature"][j]), 3),
-                "ids": tokens[offsets[j] : offsets[j + 1]].tolist(),
-                "answer_start": int(fields["answer_start"][j]),
-            })  # fmt: skip
+            conversations.append(
+                {
+                    "prompt": prompt,
+                    "temperature": round(float(fields["temperature"][j]), 3),
+                    "ids": tokens[offsets[j] : offsets[j + 1]].tolist(),
+                    "answer_start": int(fields["answer_start"][j]),
+                }
+            )
     return conversations
 
 
@@ -154,8 +156,14 @@ async def generate(args: argparse.Namespace) -> None:
             if finished % 100 == 0:
                 rate = answered / (time.monotonic() - start)
                 eta = (len(jobs) - finished) * (answered / finished) / rate
-                log.info("%d/%d conversations, %d answer tokens, %.0f tok/s, %.1f h left",
-                         finished, len(jobs), answered, rate, eta / 3600)  # fmt: skip
+                log.info(
+                    "%d/%d conversations, %d answer tokens, %.0f tok/s, %.1f h left",
+                    finished,
+                    len(jobs),
+                    answered,
+                    rate,
+                    eta / 3600,
+                )
 
     try:
         await asyncio.gather(*(worker() for _ in range(args.batch)))
@@ -198,8 +206,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2", help="the target (as server.py's --model)")
     sub = p.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="the target's answers to the pool's prompts")
-    gen.add_argument("--temperatures", type=float, nargs="*", default=[0.7, 1.0],
-                     help="sampled answers besides the greedy one")  # fmt: skip
+    gen.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="*",
+        default=[0.7, 1.0],
+        help="sampled answers besides the greedy one",
+    )
     gen.add_argument("--max-tokens", type=int, default=320)
     gen.add_argument("--batch", type=int, default=64, help="requests in flight")
     gen.add_argument("--shard-size", type=int, default=256, help="conversations a shard")

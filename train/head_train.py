@@ -126,10 +126,14 @@ class HeadData:
     ):
         self.shards = [shards] if isinstance(shards, dict) else shards
         if windows is None:
-            windows = torch.cat([
-                torch.stack((torch.full((len(s["tokens"]),), i), torch.arange(len(s["tokens"]))), 1)
-                for i, s in enumerate(self.shards)
-            ])  # fmt: skip
+            windows = torch.cat(
+                [
+                    torch.stack(
+                        (torch.full((len(s["tokens"]),), i), torch.arange(len(s["tokens"]))), 1
+                    )
+                    for i, s in enumerate(self.shards)
+                ]
+            )
         self.windows = windows
 
     def __len__(self) -> int:

@@ -217,5 +217,6 @@ def load_best(run_dir: Path, model: nn.Module, state: TrainState) -> None:
     """The weights of the checkpoint with the lowest validation loss, where one was kept."""
     if (run_dir / BEST).exists():
         model.load_state_dict(torch.load(run_dir / BEST))
-        log.info("the best checkpoint: step %d, validation loss %.4f", state.best_step,
-                 state.best_loss)  # fmt: skip
+        log.info(
+            "the best checkpoint: step %d, validation loss %.4f", state.best_step, state.best_loss
+        )

@@ -199,7 +199,7 @@ async def build(args: argparse.Namespace) -> None:
     if pool.count("self") < args.self_written:
         config = EngineConfig(
             model=args.model,
-            spec=SpecConfig(),
+            spec=SpecConfig("none"),
             max_running=args.batch,
             watchdog_s=OFFLINE_WATCHDOG_S,
             seed=args.seed * 1_000_003 + pool.count("self"),  # a resumed run draws anew
@@ -214,8 +214,12 @@ async def build(args: argparse.Namespace) -> None:
                     break
                 for text in await self_written(engine, min(missing, args.batch * 4)):
                     pool.add("self", text, check_degenerate=True)
-                log.info("self-written: %d of %d (dropped %s)", pool.count("self"),
-                         args.self_written, pool.dropped)  # fmt: skip
+                log.info(
+                    "self-written: %d of %d (dropped %s)",
+                    pool.count("self"),
+                    args.self_written,
+                    pool.dropped,
+                )
         finally:
             await engine.stop()
     sources = {s: pool.count(s) for s in ("given", "text", "self")}

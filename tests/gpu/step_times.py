@@ -57,9 +57,17 @@ def forward_call(model, cache, backend, batch: int, context: int, rows: int, pag
     def ints(values):
         return torch.tensor(values, dtype=torch.int32, device=device)
 
-    meta = paged_metadata(ints(csr.qo_indptr), ints(csr.kv_indptr), ints(csr.kv_indices),
-                          ints(csr.kv_last_page_len), positions, ints(slots), PAGE_SIZE, rows,
-                          end)  # fmt: skip
+    meta = paged_metadata(
+        ints(csr.qo_indptr),
+        ints(csr.kv_indptr),
+        ints(csr.kv_indices),
+        ints(csr.kv_last_page_len),
+        positions,
+        ints(slots),
+        PAGE_SIZE,
+        rows,
+        end,
+    )
     ids = torch.randint(0, SMOLLM2.vocab_size, (batch * rows,), device=device)
 
     def call():
@@ -96,19 +104,29 @@ def main() -> None:
         prepare_for_inference(model)
         pages = -(-(max(args.contexts) + 5) // PAGE_SIZE)  # a sequence's
         cfg = SMOLLM2
-        cache = KVCache(cfg.num_layers, max(args.batches) * pages, PAGE_SIZE, cfg.num_kv_heads,
-                        cfg.head_dim, dtype, device)  # fmt: skip
+        cache = KVCache(
+            cfg.num_layers,
+            max(args.batches) * pages,
+            PAGE_SIZE,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype,
+            device,
+        )
         cache.data.normal_()
-        print(f"| {torch.cuda.get_device_name()}, {args.dtype} | context | batch | decode ms | "
-              "verify (5 rows) ms |")  # fmt: skip
+        print(
+            f"| {torch.cuda.get_device_name()}, {args.dtype} | context | batch | decode ms | "
+            "verify (5 rows) ms |"
+        )
         print("|---|---|---|---|---|")
         for name, backend in backends().items():
             for context in args.contexts:
                 for batch in args.batches:
                     ms = [timed_ms(forward_call(model, cache, backend, batch, context, rows, pages),
                                    args.repeats) for rows in (1, 5)]  # fmt: skip
-                    print(f"| {name} | {context} | {batch} | {ms[0]:.2f} | {ms[1]:.2f} |",
-                          flush=True)  # fmt: skip
+                    print(
+                        f"| {name} | {context} | {batch} | {ms[0]:.2f} | {ms[1]:.2f} |", flush=True
+                    )
 
 
 if __name__ == "__main__":

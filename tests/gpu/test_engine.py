@@ -72,8 +72,16 @@ async def test_every_drafter_equals_plain_decoding_and_the_cpu(
     models, prompts, exact, device, dtype, attention
 ):
     def config(method="none", draft=None, k=3, **spec):
-        return make_config(models["target"], method, draft, k=k, spec_kw=spec or None,
-                           device=device, dtype=dtype, attention=attention)  # fmt: skip
+        return make_config(
+            models["target"],
+            method,
+            draft,
+            k=k,
+            spec_kw=spec or None,
+            device=device,
+            dtype=dtype,
+            attention=attention,
+        )
 
     logprobs = dataclasses.replace(GREEDY, logprobs=2)
     async with running(config()) as engine:

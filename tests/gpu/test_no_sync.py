@@ -70,8 +70,7 @@ async def test_one_token_mode_never_syncs_on_cuda(tmp_path, sync_is_an_error, at
     plain_config = make_config(target_dir, device="cuda", attention=attention)
     async with running(plain_config) as engine:
         expected = await staggered(engine, prompts, GREEDY)
-    config = make_config(target_dir, "mtp", tmp_path / "h", k=1, device="cuda",
-                         attention=attention)  # fmt: skip
+    config = make_config(target_dir, "mtp", tmp_path / "h", k=1, device="cuda", attention=attention)
     async with running(config) as engine:
         outs = await staggered(engine, prompts, GREEDY, seed=5)
     assert outs == expected  # a sync would have failed its step's requests

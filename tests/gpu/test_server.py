@@ -27,10 +27,22 @@ def test_one_completion_through_the_server(tmp_path):
     target = write_model(tmp_path / "t", hidden=128, head_dim=64)
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "server.py", "--model", str(target), "--port", str(port),
-         "--device", DEVICE, "--speculative", "ngram"],
-        cwd=ROOT, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "server.py",
+            "--model",
+            str(target),
+            "--port",
+            str(port),
+            "--device",
+            DEVICE,
+            "--speculative",
+            "ngram",
+        ],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_healthy(port, 120)
         body = {"prompt": "hello hello hello", "max_tokens": 12, "temperature": 0,

@@ -162,8 +162,19 @@ def prove(dest: Path, image: Path) -> None:
     with tempfile.TemporaryDirectory() as stubs, tempfile.TemporaryDirectory() as target:
         stub_wheels(image, Path(stubs))
         names = [r.split("==")[0] for r in CARRIED] + FROM_IMAGE
-        pip("install", "--dry-run", "--no-index", "--find-links", str(dest),
-            "--find-links", stubs, *TARGET, "--target", target, *names)  # fmt: skip
+        pip(
+            "install",
+            "--dry-run",
+            "--no-index",
+            "--find-links",
+            str(dest),
+            "--find-links",
+            stubs,
+            *TARGET,
+            "--target",
+            target,
+            *names,
+        )
 
 
 def pack(dest: Path, tarball: Path) -> None:
