@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.code import EDITS
 from bench.common import EngineProcess, answer, write_json
 from engine.config import WEIGHTS, EngineConfig, KVConfig, SpecConfig
 from engine.engine import AsyncEngine
@@ -107,14 +108,6 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 # ---- code edits ----
 
-EDITS = (  # (module, function, a variable in it, its new name)
-    ("textwrap", "dedent", "margin", "common_margin"),
-    ("heapq", "nsmallest", "result", "found"),
-    ("heapq", "merge", "h_append", "push"),
-    ("json.decoder", "JSONObject", "pairs", "members"),
-    ("fractions", "Fraction.limit_denominator", "bound1", "lower"),
-    ("textwrap", "TextWrapper._wrap_chunks", "cur_line", "line"),
-)
 COPY_RUN = 8  # an answer token counts as copied inside a run of this many found in the prompt
 
 

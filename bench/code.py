@@ -16,9 +16,15 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from bench.agentic import EDITS
-
 CONTEXT_CHARS = 1500
+EDITS = (  # (module, function, a variable in it, its new name)
+    ("textwrap", "dedent", "margin", "common_margin"),
+    ("heapq", "nsmallest", "result", "found"),
+    ("heapq", "merge", "h_append", "push"),
+    ("json.decoder", "JSONObject", "pairs", "members"),
+    ("fractions", "Fraction.limit_denominator", "bound1", "lower"),
+    ("textwrap", "TextWrapper._wrap_chunks", "cur_line", "line"),
+)
 COMPLETIONS = (  # (module, function)
     ("textwrap", "indent"),
     ("shlex", "quote"),
