@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeGuard
 
 from core.params import INT32_MAX, MAX_LOGIT_BIAS, Grammar, SamplingParams
-from engine.request import Delta, FinishReason, TokenLogprob, Usage
+from core.request import Delta, FinishReason, TokenLogprob, Usage
 from structured import (
     StructuredError,
     ToolChoice,

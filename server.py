@@ -41,6 +41,8 @@ from api import (
     sampling_params,
     validate,
 )
+from core.params import InvalidRequest
+from core.request import Delta, EngineFailed, Overloaded
 from engine.config import (
     MODELLESS,
     EngineConfig,
@@ -50,7 +52,6 @@ from engine.config import (
     from_options,
     option,
 )
-from engine.request import Delta, EngineFailed, InvalidRequest, Overloaded
 
 log = logging.getLogger("tandem.server")
 

@@ -44,9 +44,9 @@ from typing import Any
 
 from bench.code import EDITS
 from bench.common import EngineProcess, answer, write_json
+from core.params import SamplingParams
 from engine.config import WEIGHTS, EngineConfig, KVConfig, SpecConfig
 from engine.engine import AsyncEngine
-from engine.request import SamplingParams
 
 QUESTIONS = Path(__file__).resolve().parent.parent / "train" / "chat_heldout_prompts.json"
 MODULES = ("textwrap", "json.decoder", "fractions", "shlex", "heapq", "bisect")

@@ -21,11 +21,11 @@ from typing import Any
 import torch
 
 from bench.common import text_table, write_json
+from core.params import SamplingParams
 from engine.builder import DEMO_DIR, model_path
 from engine.config import EngineConfig, KVConfig, SpecConfig
 from engine.device import run_on_device
 from engine.engine import AsyncEngine
-from engine.request import SamplingParams
 from models.loader import load_model
 from models.tokenizer import Tokenizer
 from tests.stats import POWER_SHIFT, chi_square_p_value, enumerate_law, shifted_law

@@ -38,10 +38,11 @@ from typing import Any
 import torch
 
 from bench.common import forward_call, median_seconds
+from core.params import SamplingParams
+from core.request import FinishReason
 from engine.config import EngineConfig, SpecConfig
 from engine.device import Stream
 from engine.engine import AsyncEngine
-from engine.request import FinishReason, SamplingParams
 from engine.trace import Tracer
 from stages.draft import NoDrafter
 

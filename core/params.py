@@ -123,7 +123,7 @@ class SamplingTensors:
     seeds: torch.Tensor  # [B] int64
     logit_bias: torch.Tensor | None = None  # [B, V] float32 added to the logits; None: none
     # [B] bool: sampled rows of seeded requests, which draw by the seeded coupling
-    # (stages/sampling.py), so that speculation cannot change their tokens; None: no such row
+    # (stages/rng.py), so that speculation cannot change their tokens; None: no such row
     coupled: torch.Tensor | None = None
     all_greedy: bool = False
     any_greedy: bool = True

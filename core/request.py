@@ -126,3 +126,11 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+
+class Overloaded(RuntimeError):
+    """The waiting queue is full (an HTTP 503 with Retry-After)."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine has stopped serving (a hung loop, a run of failed steps): an HTTP 503."""

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import torch
 
-from core.attention import AttentionMetadata
+from core.attention_metadata import AttentionMetadata
 from core.params import SamplingTensors
 from core.request import Request
 

@@ -39,7 +39,7 @@ from models.linear import FusedLinear, QuantLinear, held_bytes
 from models.llama import LlamaModel, prepare_for_inference
 from models.loader import load_model, read_config
 from models.mtp import load_mtp_head
-from models.parallel import shard_module
+from models.shard import shard_module
 from models.tokenizer import Tokenizer
 from stages.draft import Drafter, GrammarDrafter, LeaderDrafts, NgramDrafter, NoDrafter
 from stages.draft_model import DraftModelDrafter

@@ -28,21 +28,21 @@ from typing import Any
 
 import torch
 
-from core.request import Delta, Request
+from core.params import Grammar, InvalidRequest, SamplingParams
+from core.request import Delta, EngineFailed, Overloaded, Request
 from core.step import Plan, StepKind
 from engine.builder import Builder
 from engine.config import EngineConfig
 from engine.device import Event, run_on_device
 from engine.executor import Executor, Packed, StepRun
-from engine.grammar import Grammars
+from engine.grammar_compiler import Grammars
 from engine.metrics import EngineMetrics
 from engine.parallel import Group
 from engine.planner import Planner
 from engine.publish import Publisher, RequestStream
-from engine.request import EngineFailed, Grammar, InvalidRequest, Overloaded, SamplingParams
 from engine.supervisor import Supervisor
 from engine.trace import Tracer
-from models.parallel import traffic
+from models.shard import traffic
 
 log = logging.getLogger("tandem.engine")
 

@@ -148,14 +148,12 @@ class Executor:
         drafts: Drafts | None,  # a follower's: the leader's drafts; None: draft here
         start: float | None = None,
     ) -> Sampled:
-        """Upload, draft, verify and sample. Under tensor parallelism the leader broadcasts
-        the step to the other ranks, after its drafts where only it drafts (a draft model)."""
+        """Upload, draft, verify and sample; a tensor-parallel leader's broadcast around the
+        drafts (`_broadcast`)."""
         s = self.stages
-        sends = self.group is not None and self.group.leader
         with self._stage(plan, time, "upload", None, start):
             dev = unpack(plan, buffer, layout)
-        if sends and not s.drafter.leader_only:
-            self._broadcast(plan, time, buffer, layout, None)
+        self._broadcast(plan, time, buffer, layout, None)
         with self._stage(plan, time, "draft", dev):
             last_token = None
             if plan.kind == StepKind.DECODE:
@@ -163,8 +161,7 @@ class Executor:
                 last_token = next_tokens(dev, s.insert, s.history.accepted, s.history.tokens, moves)
             if drafts is None:
                 drafts = s.drafter.propose(plan, dev) if plan.k else Drafts(dev.host_drafts)
-        if sends and s.drafter.leader_only:
-            self._broadcast(plan, time, buffer, layout, drafts)
+        self._broadcast(plan, time, buffer, layout, drafts)
         with self._stage(plan, time, "verify", dev):
             out = s.verifier(plan, dev, drafts, last_token)
         with self._stage(plan, time, "sample", dev):
@@ -177,9 +174,15 @@ class Executor:
         time: DeviceTime,
         buffer: torch.Tensor,
         layout: dict[str, int],
-        drafts: Drafts | None,
+        drafts: Drafts | None,  # None: called before drafting
     ) -> None:
-        assert self.group is not None
+        """Tensor parallelism's stage: the leader sends the step to the other ranks, before
+        drafting where every rank drafts (the plan is all they need), after it where the
+        leader alone drafts (a draft model: they get its drafts). Nothing in one process."""
+        if self.group is None or not self.group.leader:
+            return
+        if (drafts is not None) != self.stages.drafter.leader_only:
+            return  # not this drafter's point of the step
         with self._stage(plan, time, "broadcast", None) as fields:
             self.group.send_step(plan, buffer, layout, drafts)
             fields["bytes"] = self.group.capacity * 4

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine.request import FinishReason
+from core.request import FinishReason
 
 # a `_created` timestamp beside every counter and histogram doubles the text for no reader here
 prometheus_client.disable_created_metrics()

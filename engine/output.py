@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.request import Delta, FinishReason, Request, TokenLogprob, Usage
+from core.request import Delta, FinishReason, Request, TokenLogprob, Usage
 from models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

@@ -3,9 +3,9 @@
 Rank 0, the leader, holds the HTTP side, the scheduler and the page allocator. Once a step it
 packs what the other ranks need (the plan's int32 sections, the sampling parameters, and a
 draft model's drafts, which only the leader runs) into one int32 message and broadcasts it;
-every rank then runs the same device stages over its slice of the models (models/parallel.py).
+every rank then runs the same device stages over its slice of the models (models/shard.py).
 Each rank samples from the same all-gathered logits with the same keyed randomness
-(stages/sampling.py draws no shared generator), so all reach the same verdict without a
+(stages/rng.py keys every draw, no shared generator), so all reach the same verdict without a
 second collective, and the leader alone sends it to the host.
 
 A message is a fixed-size int32 buffer (`Group.capacity`), so that one broadcast a step
@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from core.params import SamplingTensors
 from core.step import Drafts, Plan, StepKind
-from models.parallel import Shard, traffic
+from models.shard import Shard, traffic
 
 log = logging.getLogger("tandem.parallel")
 

@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from core.attention import AttentionMetadata
+from core.attention_metadata import AttentionMetadata
 from kv.cache import KVCache
 from models import native
 

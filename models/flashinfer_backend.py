@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from core.attention import AttentionMetadata
+from core.attention_metadata import AttentionMetadata
 from kv.cache import KVCache
 from models.masks import pack_padded_mask
 

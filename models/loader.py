@@ -31,7 +31,7 @@ from models.checkpoint import (
 from models.deepseek import load_deepseek
 from models.gguf import load_gguf_model
 from models.llama import LlamaConfig, LlamaModel, Rotary
-from models.parallel import Shard, shard_module
+from models.shard import Shard, shard_module
 
 MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
@@ -205,7 +205,7 @@ def load_model(
 ) -> LlamaModel:
     """A LlamaModel with the directory's weights (or a GGUF file's, models/gguf.py, whose
     dequantized weights are kept in `cache_dir` when given), converted to `dtype`, in eval
-    mode. `shard`: this rank's slice of a tensor-parallel model (models/parallel.py), read
+    mode. `shard`: this rank's slice of a tensor-parallel model (models/shard.py), read
     from the files slice by slice. `quantized`: a GGUF file's linears at their own types
     (models/gguf.py)."""
     if Path(directory).suffix == ".gguf":

@@ -89,7 +89,7 @@ async def trace(max_tokens: int) -> Hops:
     hops = Hops()
     sys.setprofile(hops.profile)
     threading.setprofile(hops.profile)  # the device thread, started by the engine
-    engine = AsyncEngine(EngineConfig(spec=SpecConfig(method="draft")))
+    engine = AsyncEngine(EngineConfig("demo", SpecConfig("draft")))
     await engine.start()
     runner = await start_server(engine, ServerOptions(port=0))
     port = runner.addresses[0][1]

@@ -11,16 +11,9 @@ from core.params import SamplingTensors
 from core.step import DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
 from models.attention import CausalAttention
 from stages.grammar import DraftWalk, GrammarWalk
-from stages.sampling import (
-    SALT_DRAFT,
-    add_logit_bias,
-    coupling_noise,
-    draw,
-    mask_logits,
-    perturbed_argmax,
-    process_logits,
-    uniform,
-)
+from stages.logits import add_logit_bias, mask_logits, process_logits
+from stages.rng import SALT_DRAFT, coupling_noise, perturbed_argmax, uniform
+from stages.sampling import draw
 
 
 def choose_drafts(

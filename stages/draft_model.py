@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from core.attention import AttentionMetadata
+from core.attention_metadata import AttentionMetadata
 from core.step import DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
 from kv.cache import KVCache
 from models.attention import Attention, AttentionBackend, CausalAttention

@@ -1,7 +1,7 @@
 """Structured output: the grammar's token masks along a step's drafts (host work).
 
 A request with a grammar carries a matcher (xgrammar's `GrammarMatcher`, made by
-engine/grammar.py) that stands after the request's committed tokens. The sample stage alone
+engine/grammar_compiler.py) that stands after the request's committed tokens. The sample stage alone
 moves it on (`commit`, the emitted tokens); drafting and sampling walk it along draft tokens
 and roll it back on the compute stream, and so do host drafts at plan time (`host_drafts`),
 which the engine plans only once the step before has been sampled (a drafter with host

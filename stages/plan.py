@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.attention import AttentionMetadata, SharedKeys
+from core.attention_metadata import AttentionMetadata, SharedKeys
 from core.params import SamplingTensors
 from core.step import Batch, DevicePlan, Plan, Sequence, StepKind
 from kv.table import build_csr

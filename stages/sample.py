@@ -1,5 +1,6 @@
 """The sample stage: target logits and drafts in, a Verdict out (device work). The rules it
-applies (logits processing, the acceptance rules, keyed uniforms) are stages/sampling.py."""
+applies are stages/logits.py (logits processing), stages/sampling.py (the acceptance rules) and
+stages/rng.py (keyed uniforms)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,9 @@ from core.params import SamplingTensors
 from core.step import DevicePlan, Drafts, Plan, TargetOutput, Verdict
 from stages.grammar import GrammarWalk
 from stages.history import TokenHistory
-from stages.sampling import (
-    PenaltyState,
-    chain_verify,
-    couple,
-    logprobs,
-    process_logits,
-    sample,
-    tree_verify,
-)
+from stages.logits import PenaltyState, process_logits
+from stages.rng import couple
+from stages.sampling import chain_verify, logprobs, sample, tree_verify
 
 
 class SampleStage:

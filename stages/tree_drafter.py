@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.attention import AttentionMetadata, SharedKeys, TreeKeys
+from core.attention_metadata import AttentionMetadata, SharedKeys, TreeKeys
 from core.params import SamplingTensors
 from core.step import DevicePlan, Drafts, Plan, TargetOutput, Verdict
 from kv.cache import KVCache
@@ -23,7 +23,9 @@ from models.attention import AttentionBackend
 from stages.draft import grammar_masked, refill_columns
 from stages.grammar import GrammarWalk
 from stages.head_drafter import Head, HeadDrafter
-from stages.sampling import SALT_CHILD, coupling_noise, draw, process_logits, uniforms
+from stages.logits import process_logits
+from stages.rng import SALT_CHILD, coupling_noise, uniforms
+from stages.sampling import draw
 from stages.tree import move_tree_path, tree_ancestors, tree_drafts
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.attention import AttentionMetadata
+from core.attention_metadata import AttentionMetadata
 from kv.table import PageTable, build_csr
 from models.attention import paged_metadata
 from tests.paged import shuffled_allocator

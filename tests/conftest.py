@@ -62,7 +62,7 @@ def plain16(tiny_target, ragged16):
     """The tiny target's plain greedy output (24 tokens) for `ragged16`, staggered."""
     import asyncio
 
-    from engine.request import SamplingParams
+    from core.params import SamplingParams
     from tests.engine_util import make_config, running, staggered
 
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

@@ -12,12 +12,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from core.request import Request
+from core.params import SamplingParams
+from core.request import Delta, Request
 from core.step import Sequence
 from engine.builder import DEMO_DIR
 from engine.config import DebugConfig, EngineConfig, KVConfig, SpecConfig
 from engine.engine import AsyncEngine
-from engine.request import Delta, SamplingParams
 from kv.table import PageTable
 from models.tokenizer import Tokenizer
 

@@ -8,15 +8,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.request import (
-    Delta,
-    FinishReason,
-    InvalidRequest,
-    Overloaded,
-    SamplingParams,
-    TokenLogprob,
-    Usage,
-)
+from core.params import InvalidRequest, SamplingParams
+from core.request import Delta, FinishReason, Overloaded, TokenLogprob, Usage
 from server import ServerOptions, start_server
 
 

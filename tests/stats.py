@@ -9,7 +9,7 @@ import torch
 from core.params import SamplingParams, SamplingTensors
 from models.attention import CausalAttention
 from models.loader import load_model
-from stages.sampling import process_logits
+from stages.logits import process_logits
 
 F64 = torch.float64
 

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from engine.request import SamplingParams
+from core.params import SamplingParams
 from models.attention import InvariantAttention, TorchPagedAttention
 from models.eagle import save_eagle_head
 from models.llama import prepare_for_inference

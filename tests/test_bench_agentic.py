@@ -39,7 +39,7 @@ def test_copied_counts_answer_tokens_inside_runs_found_in_the_prompt():
 
 
 async def _answer(engine: AsyncEngine, prompt: list[int]) -> list[int]:
-    from engine.request import SamplingParams
+    from core.params import SamplingParams
 
     deltas = await engine.generate(prompt, SamplingParams(max_tokens=4, temperature=0))
     return [t for d in deltas for t in d.token_ids]

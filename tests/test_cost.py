@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from core.params import SamplingParams
 from core.request import PRIOR_RATE, AcceptanceRate
 from engine.cost import (
     Calibration,
@@ -18,7 +19,6 @@ from engine.cost import (
     expected_tokens,
     measure_curve,
 )
-from engine.request import SamplingParams
 from tests.engine_util import make_config, ragged_prompts, running, staggered
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
 
-from engine.request import SamplingParams
+from core.params import SamplingParams
 from models.attention import CausalAttention, TorchPagedAttention
 from models.checkpoint import CheckpointError
 from models.deepseek import (

@@ -7,9 +7,9 @@ import pytest
 import torch
 import transformers
 
+from core.params import SamplingParams
 from engine.builder import DEMO_DIR
 from engine.config import EngineConfig, KVConfig, SpecConfig
-from engine.request import SamplingParams
 from engine.trace import Tracer
 from models.loader import load_model
 from tests.engine_util import heldout, running, token_ids

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.request import SamplingParams
+from core.params import SamplingParams
 from tests.engine_util import (
     DRAFTERS,
     ROUNDING,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.request import SamplingParams
+from core.params import SamplingParams
 from models.attention import CausalAttention
 from models.checkpoint import CheckpointError, read_safetensors
 from models.eagle import EagleHead, load_eagle_head, save_eagle3_head, save_eagle_head

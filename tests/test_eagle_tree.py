@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from core.params import SamplingParams
 from engine.config import SpecConfig
-from engine.request import SamplingParams
 from kv.cache import KVCache
 from kv.table import PageTable
 from models.attention import CausalAttention, TorchPagedAttention, paged_metadata

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from engine.request import FinishReason, InvalidRequest, SamplingParams
+from core.params import InvalidRequest, SamplingParams
+from core.request import FinishReason
 from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

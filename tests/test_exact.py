@@ -17,10 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from api import ApiError, ChatReply, Job, chat_prompt, completion_prompt
+from core.params import SamplingParams
+from core.request import FinishReason, Request
 from engine.config import EngineConfig, KVConfig, SpecConfig
 from engine.engine import AsyncEngine
 from engine.output import OutputStream
-from engine.request import FinishReason, Request, SamplingParams
 from models.gguf import packaged_smollm2
 from models.tokenizer import IncrementalDetokenizer, Tokenizer, incomplete_tail
 from tests.engine_util import make_config, running

@@ -97,7 +97,7 @@ SMOLLM2_HEADS = Path(__file__).resolve().parent.parent / "models" / "smollm2"
 async def test_smollm2_answers_and_its_drafters_are_lossless():
     """Plain, n-gram and its shipped heads (EAGLE-3 as a chain and a dynamic tree, MTP,
     EAGLE-1): the same greedy answer, token for token."""
-    from engine.request import SamplingParams
+    from core.params import SamplingParams
     from tests.engine_util import make_config, running, token_ids
 
     chat = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]

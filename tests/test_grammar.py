@@ -16,15 +16,15 @@ import torch
 
 import structured
 from core.params import Grammar, InvalidRequest, SamplingParams, SamplingTensors
-from engine.grammar import Grammars
-from engine.request import FinishReason
+from core.request import FinishReason
+from engine.grammar_compiler import Grammars
 from models.attention import CausalAttention
 from models.eagle import save_eagle3_head, save_eagle_head
 from models.loader import load_model
 from models.mtp import save_mtp_head
 from models.tokenizer import Tokenizer
 from stages.grammar import GrammarWalk, host_drafts, unpack
-from stages.sampling import process_logits
+from stages.logits import process_logits
 from tests.engine_util import make_config, ragged_prompts, running, token_ids
 from tests.stats import assert_law, chi_square_p_value
 from tests.tiny import random_eagle3_head, random_eagle_head, random_mtp_head, write_model

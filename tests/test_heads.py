@@ -212,7 +212,7 @@ async def test_validation_is_the_engines(kind, tiny_target, trained_heads, monke
     result = await head_validate.engine_acceptance(config, prompts, 16)
     assert loaded == [str(trained_heads[kind])]
 
-    from engine.request import SamplingParams
+    from core.params import SamplingParams
 
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     steps = accepted = 0

@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 
-from engine.request import InvalidRequest, SamplingParams
+from core.params import InvalidRequest, SamplingParams
 from models.eagle import save_eagle_head
 from models.loader import load_model
 from models.mtp import save_mtp_head

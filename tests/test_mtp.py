@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.request import SamplingParams
+from core.params import SamplingParams
 from models.attention import CausalAttention
 from models.checkpoint import CheckpointError, read_safetensors
 from models.loader import load_model, save_pretrained

@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
+from core.params import SamplingParams
 from engine.device import Event, cpu_thread
-from engine.request import SamplingParams
 from models.eagle import save_eagle_head
 from models.loader import load_model
 from models.mtp import save_mtp_head

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from core.params import SamplingParams
+from core.request import FinishReason, Request
 from engine.output import OutputStream
-from engine.request import FinishReason, Request, SamplingParams
 from models.tokenizer import Tokenizer
 from tests.tiny import write_tokenizer
 

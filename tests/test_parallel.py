@@ -19,17 +19,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.params import SamplingTensors
+from core.params import SamplingParams, SamplingTensors
 from core.request import FinishReason
 from core.step import Batch, Drafts, StepKind
 from engine.builder import DEMO_DIR
 from engine.parallel import Workers, decode, decode_step, encode, encode_step, free_port
-from engine.request import SamplingParams
 from models.eagle import save_eagle3_head, save_eagle_head
 from models.llama import LlamaConfig
 from models.loader import load_model
 from models.mtp import save_mtp_head
-from models.parallel import Shard, fitting_sizes
+from models.shard import Shard, fitting_sizes
 from stages.plan import FIELDS, make_plan, pack
 from tests.engine_util import (
     make_config,

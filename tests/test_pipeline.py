@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+from core.params import SamplingParams
 from engine.engine import AsyncEngine
-from engine.request import SamplingParams
 from engine.trace import Tracer, main
 from tests.engine_util import make_config, ragged_prompts
 

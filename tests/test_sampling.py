@@ -4,24 +4,12 @@ distributions (chi-square, fixed seeds, so every run draws the same numbers)."""
 import pytest
 import torch
 
+import stages.rng as rng_module
 import stages.sampling as sample_module
-from engine.request import SamplingParams
-from stages.sampling import (
-    SALT_ACCEPT,
-    SALT_CHILD_ACCEPT,
-    SALT_SAMPLE,
-    PenaltyState,
-    SamplingTensors,
-    add_logit_bias,
-    chain_verify,
-    draw,
-    logprobs,
-    process_logits,
-    sample,
-    tree_verify,
-    uniform,
-    uniforms,
-)
+from core.params import SamplingParams, SamplingTensors
+from stages.logits import PenaltyState, add_logit_bias, process_logits
+from stages.rng import SALT_ACCEPT, SALT_CHILD_ACCEPT, SALT_SAMPLE, uniform, uniforms
+from stages.sampling import chain_verify, draw, logprobs, sample, tree_verify
 from tests.stats import chi_square_pvalue
 
 F64 = torch.float64
@@ -81,8 +69,8 @@ def hash_words(request, monkeypatch):
     """Every murmur3 path on the CPU: Python's ints (a few positions), numpy's uint32 words
     (more) and the int64 tensors an accelerator hashes with."""
     if request.param == "torch":
-        monkeypatch.setattr(sample_module, "HOST_HASH_DEVICES", frozenset())
-    monkeypatch.setattr(sample_module, "PYTHON_HASH_MAX", 10**9 if request.param == "python" else 0)
+        monkeypatch.setattr(rng_module, "HOST_HASH_DEVICES", frozenset())
+    monkeypatch.setattr(rng_module, "PYTHON_HASH_MAX", 10**9 if request.param == "python" else 0)
     return request.param
 
 

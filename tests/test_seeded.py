@@ -16,8 +16,9 @@ import torch
 
 from core.params import SamplingParams, SamplingTensors
 from engine.config import EngineConfig, KVConfig, SpecConfig
-from stages import sampling
-from stages.sampling import chain_verify, couple, coupling_noise, perturbed_argmax
+from stages import rng
+from stages.rng import couple, coupling_noise, perturbed_argmax
+from stages.sampling import chain_verify
 from tests.engine_util import heldout, running, token_ids
 from tests.stats import chi_square_pvalue
 
@@ -130,7 +131,7 @@ def test_the_noise_is_a_function_of_seed_position_and_token_alone():
 @pytest.mark.parametrize("where", ["host", "device"])
 def test_the_noise_is_standard_gumbel(where, monkeypatch):
     if where == "device":  # the murmur3 path that accelerators run, here on the CPU
-        monkeypatch.setattr(sampling, "HOST_HASH_DEVICES", frozenset())
+        monkeypatch.setattr(rng, "HOST_HASH_DEVICES", frozenset())
     g = coupling_noise(torch.arange(200), torch.arange(200)[:, None], 1000).double()
     assert abs(g.mean() - 0.5772) < 0.01  # Euler-Mascheroni
     assert abs(g.var() - torch.pi**2 / 6) < 0.03

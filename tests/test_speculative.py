@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from engine.request import SamplingParams
+from core.params import SamplingParams
 from engine.trace import Tracer
 from models.eagle import save_eagle_head
 from models.loader import load_model

@@ -14,7 +14,7 @@ import asyncio
 
 import pytest
 
-from engine.request import SamplingParams
+from core.params import SamplingParams
 from tests.engine_util import make_config, running, token_ids
 from tests.stats import PARAMS, PROMPT, TOKENS, VOCAB, N, assert_law, exact_joint
 from tests.tiny import write_model

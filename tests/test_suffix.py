@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from engine.request import FinishReason, Request, SamplingParams
+from core.params import SamplingParams
+from core.request import FinishReason, Request
 from stages.suffix import Cursor, SuffixDrafter, SuffixTree
 from tests.engine_util import make_config, running, staggered, token_ids
 from tests.stats import PARAMS, PROMPT, VOCAB, N, assert_law, exact_joint

@@ -10,7 +10,8 @@ import time
 import pytest
 
 import engine.planner as planner_module
-from engine.request import EngineFailed, FinishReason, SamplingParams
+from core.params import SamplingParams
+from core.request import EngineFailed, FinishReason
 from tests.engine_util import make_config, running, token_ids
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
+from core.params import SamplingParams
 from engine.config import EngineConfig, KVConfig, SpecConfig
 from engine.engine import AsyncEngine
-from engine.request import SamplingParams
 from models.tokenizer import Tokenizer
 from train.corpus import load_corpus
 from train.lm import HELDOUT_TOKENS, TRAIN_TOKENS

@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 
+from core.params import SamplingParams
+from core.request import Usage
 from engine.builder import model_path
 from engine.config import EngineConfig, SpecConfig
 from engine.engine import AsyncEngine
-from engine.request import SamplingParams, Usage
 from models.eagle import load_eagle_head
 from models.loader import load_model
 from models.mtp import load_mtp_head

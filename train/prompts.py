@@ -29,9 +29,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from core.params import SamplingParams
 from engine.config import EngineConfig, SpecConfig
 from engine.engine import AsyncEngine
-from engine.request import SamplingParams
 from models.tokenizer import Tokenizer
 from train.corpus import load_corpus
 

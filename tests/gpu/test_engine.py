@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from engine.request import SamplingParams
+from core.params import SamplingParams
 from tests.engine_util import (
     DRAFTERS,
     ROUNDING,

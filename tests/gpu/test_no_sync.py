@@ -15,9 +15,9 @@ import threading
 import pytest
 import torch
 
+from core.params import SamplingParams
 from core.step import Outcome
 from engine.executor import Executor
-from engine.request import SamplingParams
 from models.loader import load_model
 from models.mtp import save_mtp_head
 from tests.engine_util import make_config, ragged_prompts, running, staggered
