@@ -34,13 +34,14 @@ from models.deepseek import MoE
 from models.eagle import load_eagle_head
 from models.fetch import PAIRS, fetched
 from models.flashinfer_backend import FLASHINFER_HEAD_DIMS, FlashInferBackend
-from models.gguf import is_gguf, packaged_smollm2, served_dequantized
+from models.gguf import head_rows, is_gguf, packaged_smollm2, served_dequantized
 from models.linear import FusedLinear, QuantLinear, held_bytes
 from models.llama import LlamaModel, prepare_for_inference
 from models.loader import load_model, read_config
 from models.mtp import load_mtp_head
 from models.shard import shard_module
 from models.tokenizer import Tokenizer
+from models.vocab import ReducedHead, float_rows, frequent_ids
 from stages.draft import Drafter, GrammarDrafter, LeaderDrafts, NgramDrafter, NoDrafter
 from stages.draft_model import DraftModelDrafter
 from stages.head_drafter import Head, HeadDrafter
@@ -347,6 +348,7 @@ class Builder:
         if spec.method == "draft":
             directory = Path(spec.draft) if spec.draft else draft_model_path(self.config.model)
             model = load_model(directory, self.dtype, self.device, quantized=self.config.quantized)
+            self._draft_vocab(model, directory)
             self.prepare(model)
             if model.config.vocab_size != target.config.vocab_size:
                 raise ValueError(
@@ -388,6 +390,20 @@ class Builder:
                 head, cache, attention, rows, shape, target_cache, start, sampled, aware
             )
         raise ValueError(f"speculative method {spec.method!r} is not available yet")
+
+    def _draft_vocab(self, model: LlamaModel, path: Path) -> None:
+        """The draft model's lm_head over --draft-vocab tokens (models/vocab.py), where its
+        vocabulary is larger and its head's rows can be taken."""
+        size, vocab = self.config.spec.draft_vocab, model.config.vocab_size
+        if not size or size >= vocab:
+            return
+        ids = frequent_ids(Tokenizer(path), vocab, size)
+        head = (head_rows(path, ids) if is_gguf(path) else None) or float_rows(model.lm_head, ids)
+        if head is None:
+            log.info("the draft model's head keeps its %d tokens (its rows cannot be taken)", vocab)
+            return
+        model.lm_head = ReducedHead(head, ids, vocab)
+        log.info("the draft model drafts over %d of its %d tokens", size, vocab)
 
     def _head_dir(self, spec: SpecConfig, method: str, name: str) -> Path:
         """The head directory given with --draft; without one, the head that ships for the

@@ -171,6 +171,14 @@ class SpecConfig:
         "draft tokens a step; with the cost model, the most (MTP with 1: no-sync mode)",
         metavar="K",
     )
+    # a quarter of Qwen2.5-0.5B's bytes is its lm_head over 151,936 tokens, read every draft
+    # token; lossless whatever the size (the target verifies, q is 0 outside it)
+    draft_vocab: int = option(
+        32768,
+        "a draft model's logits over this many tokens (models/vocab.py: a corpus's most "
+        "frequent, then the lowest ids), the others never drafted; 0: all of them",
+        metavar="N",
+    )
     # a sampled request's drafts are draws from the drafter's processed q (accepted with
     # min(1, p/q), far more often than the argmax's p at temperature 1): a chain's tokens, a
     # fixed tree's children (independent draws at each node, verified by the multi-draft rule);
@@ -231,10 +239,10 @@ class SpecConfig:
     # tokens (stages/suffix.py), else the head's (a chain; its refill runs over every
     # committed token, whoever drafted it)
     hybrid_head: str = option(
-        "eagle",
+        "auto",
         "the model --speculative hybrid drafts with where suffix decoding does not: a head "
-        "or the draft model",
-        choices=MODEL_DRAFTERS,
+        "or the draft model; auto: the draft model where the target ships one, else eagle",
+        choices=("auto", *MODEL_DRAFTERS),
     )
     hybrid_min_score: float = option(
         1.0, "hybrid: suffix drafts where they expect at least S tokens accepted", metavar="S"
@@ -249,9 +257,11 @@ class SpecConfig:
             raise ValueError(
                 f"num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}"
             )
+        if self.draft_vocab < 0:
+            raise ValueError("draft_vocab must not be negative")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
-        if self.hybrid_head not in MODEL_DRAFTERS:
+        if self.hybrid_head not in ("auto", *MODEL_DRAFTERS):
             raise ValueError(
                 f"unknown hybrid head {self.hybrid_head!r}; choose from {MODEL_DRAFTERS}"
             )
@@ -431,9 +441,7 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.spec.method == "auto":  # frozen: set once, here, before anyone reads it
-            method = "draft" if self.model in WITH_DRAFT_MODEL else "ngram"
-            object.__setattr__(self, "spec", dataclasses.replace(self.spec, method=method))
+        self._resolve_spec()
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1")
         if self.tensor_parallel_size > 1 and (
@@ -478,6 +486,18 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1")
         if self.max_model_len < 0:
             raise ValueError("max_model_len must not be negative")
+
+    def _resolve_spec(self) -> None:
+        """The speculative method and the hybrid's head that `auto` names for this model: the
+        draft model where the model ships one, else n-gram drafting and the EAGLE head (set
+        once, here, before anyone reads them: the config is frozen)."""
+        paired = self.model in WITH_DRAFT_MODEL
+        spec = self.spec
+        if spec.method == "auto":
+            spec = dataclasses.replace(spec, method="draft" if paired else "ngram")
+        if spec.hybrid_head == "auto":
+            spec = dataclasses.replace(spec, hybrid_head="draft" if paired else "eagle")
+        object.__setattr__(self, "spec", spec)
 
     @property
     def torch_dtype(self) -> str:

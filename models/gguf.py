@@ -365,6 +365,18 @@ def _dequantized(weight: Codes | Packed) -> torch.Tensor:
     return native.qrows(rows, weight.data, weight.shape, weight.form)
 
 
+def head_rows(path: str | Path, ids: torch.Tensor) -> QuantLinear | None:
+    """The lm_head's rows `ids` (the output matrix, or the tied embedding), packed at the
+    file's type as read; None where the file's head has no codes, or the kernels do not run."""
+    tensors = {t.name: t for t in metadata(path).tensors}
+    t = tensors.get("output.weight", tensors.get("token_embd.weight"))
+    if t is None or t.tensor_type not in CODE_TYPES or native.quant_path() == "torch":
+        return None
+    wanted, table = ids.numpy(), t.data
+    rows = lambda start, stop: table[wanted[start:stop]]  # noqa: E731
+    return QuantLinear(packed_rows(rows, len(wanted), t.tensor_type, int(t.shape[0])))
+
+
 def _quantized_vocab(model: LlamaModel, name: str, weight: Codes | Packed) -> None:
     """The lm_head or the embedding, a quantized table read where it is packed (a tied one
     once, by both)."""

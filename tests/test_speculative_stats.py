@@ -29,7 +29,7 @@ def models(tmp_path_factory):
 
 
 async def sampled_joint(
-    target, draft, sampled_drafts: bool, seeded: bool
+    target, draft, sampled_drafts: bool, seeded: bool, draft_vocab: int = 0
 ) -> dict[tuple[int, ...], int]:
     config = make_config(
         target,
@@ -46,7 +46,10 @@ async def sampled_joint(
     config = type(config)(
         **{
             **config.__dict__,
-            "spec": type(config.spec)(**{**config.spec.__dict__, "sampled_drafts": sampled_drafts}),
+            "spec": type(config.spec)(
+                **{**config.spec.__dict__, "sampled_drafts": sampled_drafts}
+                | {"draft_vocab": draft_vocab}
+            ),
         }
     )
     async with running(config) as engine:
@@ -67,16 +70,18 @@ async def sampled_joint(
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "sampled_drafts, seeded",
-    [(True, False), (False, False), (True, True)],
-    ids=["rejection", "rejection-argmax-drafts", "coupling"],
+    "sampled_drafts, seeded, draft_vocab",
+    [(True, False, 0), (False, False, 0), (True, True, 0), (True, False, 3), (True, True, 3)],
+    ids=["rejection", "rejection-argmax-drafts", "coupling", "draft-vocab", "coupling-draft-vocab"],
 )
 @pytest.mark.slow
-def test_sampled_speculation_follows_target(models, sampled_drafts, seeded):
+def test_sampled_speculation_follows_target(models, sampled_drafts, seeded, draft_vocab):
+    """draft-vocab: the draft model's q over 3 of the 6 tokens, 0 on the others, which the
+    target then emits from the residual alone."""
     target, draft = models
     expected = exact_joint(target)
     assert abs(sum(expected.values()) - 1) < 1e-5
     assert all(len(k) == TOKENS for k in expected)
-    observed = asyncio.run(sampled_joint(target, draft, sampled_drafts, seeded))
+    observed = asyncio.run(sampled_joint(target, draft, sampled_drafts, seeded, draft_vocab))
     assert sum(observed.values()) == N
     assert_law(observed, expected, N)

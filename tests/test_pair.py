@@ -1,0 +1,104 @@
+"""The Qwen2.5-Coder pair's files, small: a random qwen2 target and draft written as GGUF files
+of every tensor type the two real files hold (Q4_K, Q6_K, Q5_0, Q8_0), served at those types,
+lossless under every drafter; and the real pair where it can be fetched (slow tier)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from core.params import SamplingParams
+from models.eagle import save_eagle_head
+from models.loader import load_model
+from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
+from tests.tiny import T, random_eagle_head, write_gguf, write_model
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+QWEN2 = {"attention_bias": True, "rope_theta": 1e6, "architecture": "Qwen2ForCausalLM"}
+# the 1.5B file's types (tied embeddings) and the 0.5B's (an output matrix of its own)
+TARGET_TYPES = {
+    **{k: T.Q4_K for k in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")},
+    **{k: T.Q6_K for k in ("attn_v", "ffn_down", "token_embd")},
+}
+DRAFT_TYPES = {
+    **{k: T.Q5_0 for k in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up", "token_embd")},
+    **{k: T.Q8_0 for k in ("attn_v", "ffn_down", "output")},
+}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(target, draft, heads): GGUF files of a 256-wide qwen2 (K types need 256 inputs)."""
+    root = tmp_path_factory.mktemp("pair")
+    files = []
+    for name, types, tied in (("target", TARGET_TYPES, True), ("draft", DRAFT_TYPES, False)):
+        source = write_model(
+            root / name, 2, 256, len(files), head_dim=64, tie_word_embeddings=tied, **QWEN2
+        )
+        path = root / f"{name}.gguf"
+        write_gguf(source, path, types, gguf_arch="qwen2", gguf_pre="qwen2")
+        files.append(path)
+    target = load_model(files[0])
+    heads = {"eagle": root / "eagle"}
+    save_eagle_head(random_eagle_head(target, norms=False), heads["eagle"])
+    return files[0], files[1], heads
+
+
+@pytest.fixture(scope="module")
+def plain(pair):
+    async def run():
+        async with running(make_config(pair[0])) as engine:
+            return await staggered(engine, ragged_prompts(6, 300, seed=3), GREEDY)
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    "method, spec_kw",
+    [
+        ("draft", {}),
+        ("draft", {"draft_vocab": 160}),
+        ("ngram", {}),
+        ("suffix", {}),
+        ("hybrid", {"hybrid_head": "draft"}),
+        ("eagle", {}),
+    ],
+)
+async def test_every_drafter_is_lossless_on_the_pairs_types(pair, plain, method, spec_kw):
+    target, draft, heads = pair
+    drafter = heads.get(method, draft)
+    config = make_config(target, method, drafter, k=3, spec_kw=spec_kw)
+    async with running(config) as engine:
+        assert engine.model.layers[0].self_attn.qkv.parts  # Q4_K q|k beside a Q6_K v: parts
+        assert await staggered(engine, ragged_prompts(6, 300, seed=3), GREEDY) == plain
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_the_real_pair_is_lossless_under_every_drafter():
+    """Qwen2.5-Coder-1.5B-Instruct served with each drafter of the pair (its 0.5B as the
+    draft model, with and without the draft vocabulary; n-gram; suffix; the hybrid): the
+    same greedy answer, token for token."""
+    chat = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+    params = SamplingParams(max_tokens=32, temperature=0)
+    runs = {
+        "none": ("none", {}),
+        "draft": ("draft", {"draft_vocab": 0}),
+        "draft-vocab": ("draft", {}),
+        "ngram": ("ngram", {}),
+        "suffix": ("suffix", {}),
+        "hybrid": ("hybrid", {"hybrid_head": "draft"}),
+    }
+    outputs = {}
+    for name, (method, spec) in runs.items():
+        config = make_config("qwen2.5-coder", method, k=4, max_model_len=1024, spec_kw=spec)
+        async with running(config) as engine:
+            ids = engine.tokenizer.encode_chat(chat)
+            deltas = await engine.generate(ids, params)
+            outputs[name] = token_ids(deltas)
+            if method in ("draft", "hybrid"):
+                assert deltas[-1].usage.accepted_tokens > 0
+    assert "def " in engine.tokenizer.decode(outputs["none"])
+    for name in runs:
+        assert outputs[name] == outputs["none"], name
