@@ -7,6 +7,7 @@ a forward.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
@@ -70,6 +71,15 @@ SHIPPED_HEADS = {
         "mtp": DEMO_DIR.parent / "smollm2" / "mtp",
     },
 }
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim): loading a GGUF
+    file frees hundreds of MB of temporaries that would otherwise stay resident."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: its allocator keeps what it keeps
 
 
 def _file_stamp(path: Path) -> tuple[int, int]:
@@ -173,6 +183,7 @@ class Builder:
             model_dir, self.dtype, self.device, cache_dir(), self.shard, config.quantized
         )
         self.prepare(model)
+        self.tokenizer = Tokenizer(model_dir)  # the draft vocabulary's counts use it too
         attention = self.attention(model.config.head_dim)
         k = spec.num_draft_tokens if spec.enabled else 0
         lookahead = k + 1 + spec.one_token_mode  # one-token mode: a step the host has not seen
@@ -201,6 +212,7 @@ class Builder:
             lookahead,
             max_model_len,
         )
+        release_freed_memory()  # loading's temporaries, before the engine settles
         cost = None
         # the cost model times forwards on the leader alone: under tensor parallelism k is fixed
         if spec.enabled and spec.picks_k and self.group is None:
@@ -208,7 +220,7 @@ class Builder:
             cost = build_cost_model(model, drafter, config.max_running, k, path)
         return Built(
             model=model,
-            tokenizer=Tokenizer(model_dir),
+            tokenizer=self.tokenizer,
             model_name=MODEL_NAMES.get(config.model, model_dir.stem),
             max_model_len=max_model_len,
             k=k,
@@ -397,7 +409,7 @@ class Builder:
         size, vocab = self.config.spec.draft_vocab, model.config.vocab_size
         if not size or size >= vocab:
             return
-        ids = frequent_ids(Tokenizer(path), vocab, size)
+        ids = frequent_ids(self.tokenizer, vocab, size)
         head = (head_rows(path, ids) if is_gguf(path) else None) or float_rows(model.lm_head, ids)
         if head is None:
             log.info("the draft model's head keeps its %d tokens (its rows cannot be taken)", vocab)
