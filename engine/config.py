@@ -86,7 +86,15 @@ def from_options(config: type, parsed: argparse.Namespace, **given: Any) -> Any:
 
 # grammar: no model; a request's drafts are what its grammar implies (structured output)
 SPECULATIVE_METHODS = (
-    *("auto", "none", "draft", "ngram", "suffix", "eagle", "mtp", "grammar", "hybrid"),
+    "auto",  # per model: engine/config.py EngineConfig._resolve_spec
+    "none",
+    "draft",
+    "ngram",
+    "suffix",
+    "eagle",
+    "mtp",
+    "grammar",
+    "hybrid",  # suffix decoding, else a model (--hybrid-head)
 )
 MODELLESS = ("none", "ngram", "suffix", "grammar")  # the methods that draft with no model
 HEADS = ("eagle", "mtp")

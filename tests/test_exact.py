@@ -232,7 +232,7 @@ async def complete(session: aiohttp.ClientSession, url: str, body: dict) -> tupl
 async def test_text_and_usage_are_the_same_for_every_drafter_streamed_or_not():
     results = {}
     for name, spec in DRAFTERS.items():
-        config = EngineConfig(spec=spec, batch_invariant=True, kv=KVConfig(num_pages=256))
+        config = EngineConfig("demo", spec, KVConfig(num_pages=256), batch_invariant=True)
         async with served(AsyncEngine(config)) as url, aiohttp.ClientSession() as session:
             for i, (prompt, fields) in enumerate(REQUESTS):
                 body = {"prompt": prompt} | fields
