@@ -2,17 +2,24 @@
 
     python -m bench.peer --llama-server PATH --gguf FILE [--model DIR]
         [--draft DIR --draft-gguf FILE] [--eagle DIR] [--mtp DIR]
-        [--methods plain draft ngram-simple ngram-mod eagle mtp] [--batches 1 4]
+        [--methods plain draft ngram-simple ngram-mod eagle mtp hybrid draft-default
+        draft-n3 draft-n8 draft-n16] [--batches 1 4]
         [--temperatures 0 1] [--max-tokens 128] [--prompts 8] [--repeats 3] [--rounds 1]
-        [--k 4] [--fixed-k] [--ttft-tokens 2000] [--weights W] [--out F.json]
+        [--k 4] [--fixed-k] [--ttft-tokens 2000] [--weights W]
+        [--workload text|chat|complete|code-chat|edits] [--out F.json]
 
-One server runs at a time: ours `server.py --speculative none|draft|ngram|eagle|mtp`, llama.cpp's
-`llama-server -np BATCH --spec-type none|draft-simple|ngram-simple|ngram-mod`, its drafts
-capped at k tokens like ours (its n-gram lookup lengths its defaults; `--llama-args` appends
-flags, which win). llama.cpp drafts k every step; ours lets its cost model choose 0..k unless
+One server runs at a time: ours `server.py --speculative none|draft|ngram|eagle|mtp|hybrid`
+(its prefix cache off, as llama.cpp's prompt cache is), llama.cpp's `llama-server -np BATCH
+--spec-type none|draft-simple|ngram-simple|ngram-mod`, its drafts capped at k tokens like ours
+(`draft-default`: its draft model at its own default length; `draft-nN`: at N; its n-gram
+lookup lengths its defaults; `--llama-args` appends flags, which win).
+llama.cpp drafts k every step; ours lets its cost model choose 0..k unless
 `--fixed-k`. Our one n-gram drafter is measured once and shown on both n-gram rows; EAGLE and
 MTP are ours alone. Both servers see the same token ids (held-out texts, tokenized with the
-target's tokenizer, sent to ours /v1/completions and llama.cpp's /completion), EOS ignored,
+target's tokenizer, sent to ours /v1/completions and llama.cpp's /completion), EOS ignored;
+the other workloads go through both chat routes (chat, code-chat, edits: bench/code.py) or,
+for `complete`, as a fill in the middle (ours a prefix and a suffix, llama.cpp the ids ours
+makes of them), EOS honoured, their time to first token measured on their own prompts;
 llama.cpp's prompt cache and its top-k, top-p and min-p off, so that temperature 1 samples
 the model's own distribution on both sides.
 
