@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from core.params import SamplingParams, SamplingTensors
+from engine.config import EngineConfig
 from models.attention import CausalAttention
 from models.loader import load_model
 from stages.logits import process_logits
+from tests.engine_util import make_config
 
 F64 = torch.float64
 
@@ -33,6 +36,23 @@ VOCAB = 6
 PROMPT = [1, 2]
 TOKENS = 4
 PARAMS = dict(temperature=1.0, top_p=0.9, max_tokens=TOKENS, ignore_eos=True)
+
+
+def law_config(target: Any, method: str, drafter: Any, **kw: Any) -> EngineConfig:
+    """The law tests' engine: N requests of PROMPT in one batch, k = 2, 16 tokens a context."""
+    return make_config(
+        target,
+        method,
+        drafter,
+        k=2,
+        pages=3 * N,
+        page_size=4,
+        max_running=N,
+        max_waiting=N,
+        max_batch_tokens=len(PROMPT) * N,
+        max_model_len=16,
+        **kw,
+    )
 
 
 def exact_joint(target_dir) -> dict[tuple[int, ...], float]:

@@ -17,7 +17,7 @@ from models.loader import load_model
 from models.mtp import save_mtp_head
 from stages.suffix import HybridDrafter
 from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
-from tests.stats import PARAMS, PROMPT, VOCAB, N, assert_law, exact_joint
+from tests.stats import PARAMS, PROMPT, VOCAB, N, assert_law, exact_joint, law_config
 from tests.tiny import random_eagle_head, random_mtp_head, write_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -135,19 +135,8 @@ def test_sampled_hybrid_follows_the_target(tmp_path, model):
         save_eagle_head(head, tmp_path / "h")
     else:
         write_model(tmp_path / "h", layers=1, hidden=16, seed=4, scale=1.5, model_vocab=VOCAB)
-    config = make_config(
-        target,
-        "hybrid",
-        tmp_path / "h",
-        k=2,
-        pages=3 * N,
-        page_size=4,
-        max_running=N,
-        max_waiting=N,
-        max_batch_tokens=len(PROMPT) * N,
-        max_model_len=16,
-        spec_kw={"hybrid_min_score": 0.3, "hybrid_head": model},
-    )
+    spec_kw = {"hybrid_min_score": 0.3, "hybrid_head": model}
+    config = law_config(target, "hybrid", tmp_path / "h", spec_kw=spec_kw)
     choices = ["hybrid", "suffix", model]
 
     async def run():

@@ -39,7 +39,7 @@ from tests.engine_util import (
     token_ids,
     wait_healthy,
 )
-from tests.stats import PARAMS, PROMPT, N, assert_law, exact_joint
+from tests.stats import PARAMS, PROMPT, N, assert_law, exact_joint, law_config
 from tests.tiny import (
     random_eagle3_head,
     random_eagle_head,
@@ -258,19 +258,7 @@ async def test_two_ranks_sample_the_targets_law(tmp_path):
     target over 2 ranks: every rank samples the same verdict from the same keyed draws."""
     target = write_model(tmp_path / "t", layers=1, hidden=16, seed=3, scale=1.5, model_vocab=6)
     draft = write_model(tmp_path / "d", layers=1, hidden=16, seed=4, scale=1.5, model_vocab=6)
-    config = make_config(
-        target,
-        "draft",
-        draft,
-        k=2,
-        pages=3 * N,
-        page_size=4,
-        max_running=N,
-        max_waiting=N,
-        max_batch_tokens=len(PROMPT) * N,
-        max_model_len=16,
-        tensor_parallel_size=2,
-    )
+    config = law_config(target, "draft", draft, tensor_parallel_size=2)
     async with running_parallel(config) as (engine, _):
         outs = await asyncio.gather(
             *(engine.generate(PROMPT, SamplingParams(**PARAMS)) for _ in range(N))

@@ -15,8 +15,8 @@ import asyncio
 import pytest
 
 from core.params import SamplingParams
-from tests.engine_util import make_config, running, token_ids
-from tests.stats import PARAMS, PROMPT, TOKENS, VOCAB, N, assert_law, exact_joint
+from tests.engine_util import running, token_ids
+from tests.stats import PARAMS, PROMPT, TOKENS, VOCAB, N, assert_law, exact_joint, law_config
 from tests.tiny import write_model
 
 
@@ -31,27 +31,8 @@ def models(tmp_path_factory):
 async def sampled_joint(
     target, draft, sampled_drafts: bool, seeded: bool, draft_vocab: int = 0
 ) -> dict[tuple[int, ...], int]:
-    config = make_config(
-        target,
-        "draft",
-        draft,
-        k=2,
-        pages=3 * N,
-        page_size=4,
-        max_running=N,
-        max_waiting=N,
-        max_batch_tokens=len(PROMPT) * N,
-        max_model_len=16,
-    )
-    config = type(config)(
-        **{
-            **config.__dict__,
-            "spec": type(config.spec)(
-                **{**config.spec.__dict__, "sampled_drafts": sampled_drafts}
-                | {"draft_vocab": draft_vocab}
-            ),
-        }
-    )
+    spec_kw = {"sampled_drafts": sampled_drafts, "draft_vocab": draft_vocab}
+    config = law_config(target, "draft", draft, spec_kw=spec_kw)
     async with running(config) as engine:
         outs = await asyncio.gather(
             *(
