@@ -969,6 +969,66 @@ static PyObject *py_qpath(PyObject *self, PyObject *const *args, Py_ssize_t narg
     return PyLong_FromLong(qpath_select((int)a[0]));
 }
 
+/* ---- argmax of rows: each row's first index of its largest value, a NaN counting as the
+ * largest (torch.argmax's rule): greedy sampling over a vocabulary. One pass of vectors keeps
+ * each lane's largest value and the span where it first saw it (a lane's indices rise, and
+ * only a strictly larger value replaces its best); the first index of the row's largest value
+ * is then the least among the lanes that hold it. ARGMAX_SPAN floats a step, in independent
+ * vectors, so that no step waits for the one before. ---- */
+
+#define ARGMAX_SPAN 64
+#define ARGMAX_VECS (ARGMAX_SPAN / LANES)
+
+static int64_t argmax_row(const float *x, int64_t n) {
+    vn top[ARGMAX_VECS];
+    ivn at[ARGMAX_VECS], nan[ARGMAX_VECS];
+    for (int h = 0; h < ARGMAX_VECS; h++) {
+        top[h] = (vn){0} - INFINITY;
+        at[h] = nan[h] = (ivn){0};
+    }
+    int64_t i = 0;
+    for (; i + ARGMAX_SPAN <= n; i += ARGMAX_SPAN) {
+        ivn span = (ivn){0} + (int32_t)(i / ARGMAX_SPAN);
+        for (int h = 0; h < ARGMAX_VECS; h++) {
+            vn v = loadn(x + i + h * LANES);
+            ivn above = v > top[h]; /* lanes of -1 where v is larger */
+            top[h] = (vn)((above & (ivn)v) | (~above & (ivn)top[h]));
+            at[h] = (above & span) | (~above & at[h]);
+            nan[h] |= v != v;
+        }
+    }
+    float m = -INFINITY;
+    int64_t first = 0;
+    int seen_nan = 0;
+    for (int h = 0; h < ARGMAX_VECS; h++)
+        for (int l = 0; l < LANES; l++) {
+            int64_t j = (int64_t)at[h][l] * ARGMAX_SPAN + h * LANES + l;
+            if (top[h][l] > m || (top[h][l] == m && j < first)) first = j;
+            m = top[h][l] > m ? top[h][l] : m;
+            seen_nan |= nan[h][l] != 0;
+        }
+    for (; i < n; i++) { /* the tail's indices come after every lane's */
+        if (x[i] > m) m = x[i], first = i;
+        seen_nan |= x[i] != x[i];
+    }
+    if (seen_nan)
+        for (int64_t j = 0; j < n; j++)
+            if (x[j] != x[j]) return j;
+    return first;
+}
+
+/* argmax(out int64, x, rows, n) */
+static PyObject *py_argmax(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[4];
+    if (ints(args, nargs, 4, a)) return NULL;
+    int64_t *out = PTR(int64_t, a[0]);
+    const float *x = PTR(const float, a[1]);
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t r = 0; r < a[2]; r++) out[r] = argmax_row(x + r * a[3], a[3]);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL, "x W^T, W blocked"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, "RMSNorm of rows"},
@@ -982,6 +1042,7 @@ static PyMethodDef methods[] = {
     {"qlinear_parts", (PyCFunction)(void (*)(void))py_qlinear_parts, METH_FASTCALL,
      "products side by side"},
     {"qrows", (PyCFunction)(void (*)(void))py_qrows, METH_FASTCALL, "rows of W, dequantized"},
+    {"argmax", (PyCFunction)(void (*)(void))py_argmax, METH_FASTCALL, "argmax of rows"},
     {"qpath", (PyCFunction)(void (*)(void))py_qpath, METH_FASTCALL, "the quantized path"},
     {NULL, NULL, 0, NULL},
 };

@@ -161,6 +161,18 @@ def qrows(
     return out.view(*ids.shape, shape[1])
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) (int64, the first of equal largest values, a NaN the largest): through the
+    kernel for float32 on the CPU, whose one vectorised pass takes a fraction of torch's
+    scalar reduction over a vocabulary (greedy sampling and drafting, every step)."""
+    if not usable(x) or x.dim() == 0 or x.shape[-1] == 0:
+        return x.argmax(-1)
+    x = x.contiguous()
+    out = torch.empty(x.shape[:-1], dtype=torch.int64)
+    _kernels.argmax(out.data_ptr(), x.data_ptr(), out.numel(), x.shape[-1])
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """F.rms_norm(x, (H,), weight, eps) for x [..., H]."""
     x = x.contiguous()

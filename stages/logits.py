@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from core.params import SamplingTensors
+from models import native
 from models.attention import cast
 
 
@@ -83,17 +84,14 @@ def process_logits(
     top-k (ties with the k-th kept), top-p, min-p. Greedy rows are one-hot at the argmax of the
     penalised, biased, masked logits.
     """
-    logits = cast(logits, torch.promote_types(logits.dtype, torch.float32))
-    if penalties is not None and st.any_penalty:
-        logits = _apply_penalties(logits, st, penalties, draft_tokens)
-    logits = mask_logits(add_logit_bias(logits, st.logit_bias), allowed)
+    logits = adjusted_logits(logits, st, penalties, draft_tokens, allowed)
     vocab = logits.shape[-1]
     if st.all_greedy:
-        return _one_hot(logits.argmax(-1), vocab, logits.dtype)
+        return _one_hot(native.argmax(logits), vocab, logits.dtype)
     temperature = st.temperature
     if st.any_greedy:
         greedy = temperature == 0  # [B]
-        greedy_probs = _one_hot(logits.argmax(-1), vocab, logits.dtype)
+        greedy_probs = _one_hot(native.argmax(logits), vocab, logits.dtype)
         temperature = torch.where(greedy, 1.0, temperature)
     logits = logits / temperature[:, None, None]
     if st.any_top_k_or_p:
@@ -104,6 +102,33 @@ def process_logits(
     if st.any_greedy:
         probs = torch.where(greedy[:, None, None], greedy_probs, probs)
     return probs
+
+
+def adjusted_logits(
+    logits: torch.Tensor,
+    st: SamplingTensors,
+    penalties: PenaltyState | None = None,
+    draft_tokens: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """process_logits' first part: the logits (in at least float32) after the penalties, the
+    logit bias and the grammar's mask, whose argmax greedy rows take."""
+    logits = cast(logits, torch.promote_types(logits.dtype, torch.float32))
+    if penalties is not None and st.any_penalty:
+        logits = _apply_penalties(logits, st, penalties, draft_tokens)
+    return mask_logits(add_logit_bias(logits, st.logit_bias), allowed)
+
+
+def greedy_tokens(
+    logits: torch.Tensor,
+    st: SamplingTensors,
+    penalties: PenaltyState | None = None,
+    draft_tokens: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[B, S] int64: the argmax of process_logits' distributions for an all-greedy batch,
+    without building them (their one-hot rows)."""
+    return native.argmax(adjusted_logits(logits, st, penalties, draft_tokens, allowed))
 
 
 def _one_hot(tokens: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:

@@ -14,9 +14,9 @@ from core.params import SamplingTensors
 from core.step import DevicePlan, Drafts, Plan, TargetOutput, Verdict
 from stages.grammar import GrammarWalk
 from stages.history import TokenHistory
-from stages.logits import PenaltyState, process_logits
+from stages.logits import PenaltyState, greedy_tokens, process_logits
 from stages.rng import couple
-from stages.sampling import chain_verify, logprobs, sample, tree_verify
+from stages.sampling import chain_verify, logprobs, point_mass_verify, sample, tree_verify
 
 
 class SampleStage:
@@ -60,13 +60,23 @@ class SampleStage:
             listed = draft_tokens.tolist() if draft_tokens is not None else [[]] * len(plan.seqs)
             capped = [row[:n] for row, n in zip(listed, plan.num_drafts, strict=True)]
             allowed = walk.chain(capped, plan.width)
-        probs = process_logits(out.logits, st, penalties, draft_tokens, allowed)  # [B, W, V]
-        verdict = self._chain(plan, dev, probs, drafts, first)
+        if st.all_greedy and drafts.probs is None:  # the argmax; no distribution is needed
+            drawn = greedy_tokens(out.logits, st, penalties, draft_tokens, allowed)  # [B, W]
+            verdict = self._greedy(dev, drawn, drafts)
+        else:
+            probs = process_logits(out.logits, st, penalties, draft_tokens, allowed)  # [B, W, V]
+            verdict = self._chain(plan, dev, probs, drafts, first)
         if plan.top_logprobs is not None:
             self._logprobs(verdict, out.logits, plan.top_logprobs)
         if allowed is not None:
             self._forced(verdict, allowed, None)
         return verdict
+
+    @staticmethod
+    def _greedy(dev: DevicePlan, drawn: torch.Tensor, drafts: Drafts) -> Verdict:
+        """The chain rule for an all-greedy batch, from the target's argmax tokens [B, W]."""
+        tokens, accepted = point_mass_verify(drawn, drafts.tokens, dev.num_drafts)
+        return Verdict(tokens, accepted, torch.where(dev.emits, accepted + 1, 0))
 
     def _chain(
         self, plan: Plan, dev: DevicePlan, probs: torch.Tensor, drafts: Drafts, first: torch.Tensor

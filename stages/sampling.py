@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from models import native
 from stages.rng import SALT_ACCEPT, SALT_CHILD_ACCEPT, SALT_SAMPLE, uniform, uniforms
 
 
@@ -42,7 +43,7 @@ def sample(
     `greedy` says every row has a single positive entry (an all-greedy batch): the draw is then
     that entry, found without the uniforms and the cumsum."""
     if greedy:
-        return probs.argmax(-1)
+        return native.argmax(probs)
     return draw(probs, uniform(seeds, positions, salt))
 
 
@@ -55,7 +56,7 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=vocab - 1)
     drawn = probs.gather(1, tokens[:, None]).squeeze(1) > 0
-    return torch.where(drawn, tokens, probs.argmax(-1))
+    return torch.where(drawn, tokens, native.argmax(probs))
 
 
 def chain_verify(
@@ -81,17 +82,17 @@ def chain_verify(
     batch, width, vocab = target_probs.shape
     k = width - 1
     steps = torch.arange(width, device=target_probs.device)
-    in_draft = steps[:k] < num_drafts[:, None]  # [B, k]
-    drafts = draft_tokens.clamp(min=0)
     if draft_probs is None or k == 0:
         flat = target_probs.reshape(-1, vocab)
         if greedy:
-            drawn = flat.argmax(-1).view(batch, width)
+            drawn = native.argmax(flat).view(batch, width)
         else:
             u = uniform(seeds, positions[:, None] + steps, SALT_SAMPLE)  # [B, W]
             drawn = draw(flat, u.flatten()).view(batch, width)
-        num_accepted = _run_length((drawn[:, :k] == drafts) & in_draft)
-        return torch.where(steps <= num_accepted[:, None], drawn, -1), num_accepted
+        return point_mass_verify(drawn, draft_tokens, num_drafts)
+
+    in_draft = steps[:k] < num_drafts[:, None]  # [B, k]
+    drafts = draft_tokens.clamp(min=0)
 
     p_x = target_probs[:, :k].gather(2, drafts[..., None]).squeeze(2)  # [B, k]
     q_x = draft_probs.gather(2, drafts[..., None]).squeeze(2)  # [B, k]
@@ -107,12 +108,27 @@ def chain_verify(
     # p == q leaves no residual; a rejection then has probability 0 up to rounding
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
     if greedy:
-        last = residual.argmax(-1)
+        last = native.argmax(residual)
     else:
         last = draw(residual, u_emit.gather(1, num_accepted[:, None]).squeeze(1))
     tokens = torch.cat([drafts, last[:, None]], 1)
     tokens = torch.where(steps < num_accepted[:, None], tokens, -1)
     return tokens.scatter(1, num_accepted[:, None], last[:, None]), num_accepted
+
+
+def point_mass_verify(
+    drawn: torch.Tensor,  # [B, k+1] int64, the target's token drawn at each position
+    draft_tokens: torch.Tensor,  # [B, k] int64
+    num_drafts: torch.Tensor,  # [B] int64, k_r <= k
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """chain_verify's rule for point-mass drafts, given the target's draws: accept draft x
+    while it equals the token drawn at its position; the first draw that differs (or the one
+    after the last draft) is emitted. (tokens [B, k+1] -1 padded, num_accepted [B])."""
+    k = draft_tokens.shape[1]
+    steps = torch.arange(k + 1, device=drawn.device)
+    in_draft = steps[:k] < num_drafts[:, None]  # [B, k]
+    num_accepted = _run_length((drawn[:, :k] == draft_tokens.clamp(min=0)) & in_draft)
+    return torch.where(steps <= num_accepted[:, None], drawn, -1), num_accepted
 
 
 def _run_length(accepted: torch.Tensor) -> torch.Tensor:

@@ -57,3 +57,28 @@ def test_silu_mul(inter):
     gate_up = torch.randn(3, 2 * inter, generator=gen) * 8
     want = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     torch.testing.assert_close(native.silu_mul(gate_up), want, atol=1e-5, rtol=1e-5)
+
+
+def _argmax_cases(n: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(n)
+    with_nan = torch.randn(3, n, generator=gen)
+    with_nan[1, n // 2] = with_nan[2, -1] = float("nan")
+    last_largest = torch.randn(3, n, generator=gen)
+    last_largest[:, -1] = 100.0
+    return [
+        torch.randn(3, n, generator=gen),
+        torch.randint(0, 3, (3, n), generator=gen).float(),  # ties: the first one wins
+        torch.full((3, n), float("-inf")),
+        torch.full((3, n), 2.0),
+        with_nan,  # a NaN counts as the largest
+        last_largest,  # in the tail past the kernel's whole spans
+    ]
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [1, 5, 16, 63, 64, 65, 200, 49152, 151936])
+def test_argmax_equals_torchs_first_largest_value(n):
+    for case, x in enumerate(_argmax_cases(n)):
+        assert torch.equal(native.argmax(x), x.argmax(-1)), case
+    x = torch.randn(2, 4, n)  # any leading shape; a strided view
+    assert torch.equal(native.argmax(x[:, 1:]), x[:, 1:].argmax(-1))
