@@ -15,6 +15,7 @@ import os
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from models.eagle import load_eagle_head
 from models.fetch import PAIRS, fetched
 from models.flashinfer_backend import FLASHINFER_HEAD_DIMS, FlashInferBackend
 from models.gguf import head_rows, is_gguf, packaged_smollm2, served_dequantized
+from models.graphs import Forward, GraphedForward
 from models.linear import FusedLinear, QuantLinear, held_bytes
 from models.llama import LlamaModel, prepare_for_inference
 from models.loader import load_model, read_config
@@ -200,7 +202,9 @@ class Builder:
             history=history,
             insert=insert_kernel(self.device),
             drafter=drafter,
-            verifier=Verifier(model, cache, attention, history, drafter.target_layers),
+            verifier=Verifier(
+                model, cache, attention, history, drafter.target_layers, self.graphs(num_pages)
+            ),
             sampler=SampleStage(history, model.config.vocab_size),
             refiller=RefillStage(history, drafter),
         )
@@ -268,12 +272,13 @@ class Builder:
         self.memory["weights"] += held_bytes(model)
 
     def cache_for(self, model: Any, num_pages: int) -> KVCache:
-        """A KV cache of `num_pages` pages shaped for `model` (a target, draft model or head)."""
+        """A KV cache of `num_pages` pages shaped for `model` (a target, draft model or head),
+        and with graphs one more: the scratch slot of their padding rows."""
         cfg = model.config
         page_size = self.config.kv.page_size
         cache = KVCache(
             cfg.num_layers,
-            num_pages,
+            num_pages + self.config.graphs,
             page_size,
             cfg.num_kv_heads,
             cfg.head_dim,
@@ -369,7 +374,8 @@ class Builder:
                 )
             cache = self.cache_for(model, num_pages)
             follows = self.config.spec.method == "hybrid"  # its rows may be the suffix's
-            return DraftModelDrafter(model, cache, attention, rows, sampled, aware, follows)
+            graphs = self.graphs(num_pages)
+            return DraftModelDrafter(model, cache, attention, rows, sampled, aware, follows, graphs)
         if spec.method == "hybrid":
             model_drafter = self.drafter(
                 replace(spec, method=spec.hybrid_head), target, target_cache, attention, num_pages
@@ -386,7 +392,8 @@ class Builder:
             self.prepare(head, head=True)  # one layer: a one-layer cache
             if spec.tree == "chain":
                 cache = self.cache_for(head, num_pages)
-                return HeadDrafter(head, cache, attention, rows, sampled, aware)
+                graphs = self.graphs(num_pages)
+                return HeadDrafter(head, cache, attention, rows, sampled, aware, graphs)
             shape: FixedTree | DynamicTree
             if spec.tree == "fixed":
                 shape = FixedTree(spec.tree_paths, self.device)
@@ -402,6 +409,15 @@ class Builder:
                 head, cache, attention, rows, shape, target_cache, start, sampled, aware
             )
         raise ValueError(f"speculative method {spec.method!r} is not available yet")
+
+    def graphs(self, num_pages: int) -> Callable[[Forward], Forward] | None:
+        """What turns a forward over caches of `num_pages` (cache_for's) into one over static
+        buffers, captured on CUDA (models/graphs.py); None without --cuda-graphs."""
+        if not self.config.graphs:
+            return None
+        scratch = num_pages * self.config.kv.page_size  # the page cache_for adds
+        capture = self.device.type == "cuda"
+        return partial(GraphedForward, device=self.device, scratch_slot=scratch, capture=capture)
 
     def _draft_vocab(self, model: LlamaModel, path: Path) -> None:
         """The draft model's lm_head over --draft-vocab tokens (models/vocab.py), where its

@@ -399,6 +399,15 @@ class EngineConfig:
         "a request's tokens depend on nothing but its own (not on the other requests, the "
         "number of rows a forward has or prompt chunking): slower, CPU float32 only",
     )
+    # `graphs` resolves auto: a small forward on a GPU is launch-bound (docs/performance.md,
+    # "On an H200"); the CPU's forwards gain nothing from static buffers
+    cuda_graphs: str = option(
+        "auto",
+        "decode and verify forwards over static buffers per batch and context bucket, "
+        "captured as CUDA graphs and replayed each step: auto (on on CUDA, with the torch "
+        "attention backend), on (on the CPU the same buffers run eagerly), off",
+        choices=("auto", "on", "off"),
+    )
     # 2: the source design's two halves of a verify batch
     moe_micro_batches: int = option(
         1,
@@ -477,6 +486,15 @@ class EngineConfig:
             )
         if self.moe_micro_batches not in (1, 2):
             raise ValueError(f"moe_micro_batches must be 1 or 2, got {self.moe_micro_batches}")
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"cuda_graphs is auto, on or off, not {self.cuda_graphs!r}")
+        if self.graphs and (self.backend != "torch" or self.batch_invariant):
+            raise ValueError(
+                "--cuda-graphs captures the torch attention backend's forwards: not with "
+                "--attention flashinfer or --batch-invariant (--cuda-graphs off)"
+            )
+        if self.graphs and self.tensor_parallel_size > 1:
+            raise ValueError("--cuda-graphs with tensor parallelism: not yet (--cuda-graphs off)")
         if self.batch_invariant and self.backend != "torch":
             raise ValueError("batch-invariant mode runs the torch attention backend only")
         if self.weights not in WEIGHTS:
@@ -531,10 +549,21 @@ class EngineConfig:
         return self.weights == "auto" and self.device == "cpu" and self.torch_dtype == "float32"
 
     @property
+    def graphs(self) -> bool:
+        """Whether decode forwards run over static buffers (CUDA graphs), auto resolved: on
+        CUDA, unless FlashInfer, batch invariance or tensor parallelism is asked for."""
+        if self.cuda_graphs != "auto":
+            return self.cuda_graphs == "on"
+        eager = self.attention == "flashinfer" or self.batch_invariant
+        return self.device.startswith("cuda") and not eager and self.tensor_parallel_size == 1
+
+    @property
     def backend(self) -> str:
         """The attention backend, auto resolved: FlashInfer on CUDA in a 16-bit dtype where it
-        imports (the builder falls back to torch for a head size it has no kernels for)."""
+        imports and no graphs are captured (the builder falls back to torch for a head size
+        it has no kernels for)."""
         if self.attention != "auto":
             return self.attention
         cuda, half = self.device.startswith("cuda"), self.torch_dtype != "float32"
-        return "flashinfer" if cuda and half and importlib.util.find_spec("flashinfer") else "torch"
+        usable = cuda and half and not self.graphs
+        return "flashinfer" if usable and importlib.util.find_spec("flashinfer") else "torch"

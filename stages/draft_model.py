@@ -9,12 +9,15 @@ instead rewrites every committed token's at refill.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from core.attention_metadata import AttentionMetadata
 from core.step import DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
 from kv.cache import KVCache
 from models.attention import Attention, AttentionBackend, CausalAttention
+from models.graphs import Forward
 from models.llama import LlamaModel
 from stages.draft import draft_chain, refill_columns
 from stages.plan import drafter_metadata
@@ -33,8 +36,10 @@ class DraftModelDrafter:
         sampled: bool,
         grammar_aware: bool = True,
         follows_text: bool = False,
+        graphs: Callable[[Forward], Forward] | None = None,  # models/graphs.py
     ):
         self.model = model
+        self.run = graphs(self.forward) if graphs is not None else self.forward
         self.cache = cache
         self.attention = attention
         self.sampled = sampled
@@ -116,11 +121,17 @@ class DraftModelDrafter:
         (ids, positions, slots [E, m]); the other tokens only write their KV."""
         e, m = ids.shape
         small = drafter_metadata(dev, index, positions, slots)
-        hidden, _ = self.model(ids.flatten(), positions.flatten(), self._attention(small))
+        (hidden,) = self.run(ids.flatten(), positions.flatten(), small)
         hidden = hidden.view(e, m, -1)
         if at is None:
             return self.model.logits(hidden[:, -1])
         return self.model.logits(hidden[torch.arange(e, device=at.device), at])
+
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor]:
+        """The draft model's hidden states [T, H]."""
+        return (self.model(ids, positions, self._attention(meta))[0],)
 
     def _attention(self, meta: AttentionMetadata) -> Attention:
         return self.attention(meta, self.cache, self.model.config.num_heads)

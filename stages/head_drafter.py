@@ -18,6 +18,8 @@ run by the target): the head's KV holds the pairs of tokens 0 .. base, the last 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from core.attention_metadata import AttentionMetadata
@@ -25,6 +27,7 @@ from core.step import DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
 from kv.cache import KVCache
 from models.attention import Attention, AttentionBackend
 from models.eagle import Eagle3Head, EagleHead
+from models.graphs import Forward
 from models.mtp import MTPHead
 from stages.draft import draft_chain, probe_head, refill_columns
 from stages.plan import drafter_metadata
@@ -43,8 +46,10 @@ class HeadDrafter:
         max_rows: int,
         sampled: bool,
         grammar_aware: bool = True,
+        graphs: Callable[[Forward], Forward] | None = None,  # models/graphs.py
     ):
         self.head = head
+        self.run = graphs(self.forward) if graphs is not None else self.forward
         self.target_layers = head.target_layers
         self.offset = head.pair_offset
         self.cache = cache
@@ -172,8 +177,14 @@ class HeadDrafter:
         e, m = ids.shape
         small = drafter_metadata(dev, index, positions, slots)
         flat = features.reshape(e * m, -1)
-        hidden = self.head(ids.flatten(), flat, positions.flatten(), self._attention(small))
+        (hidden,) = self.run(ids.flatten(), positions.flatten(), small, flat)
         return hidden.view(e, m, -1)
+
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, features
+    ) -> tuple[torch.Tensor]:
+        """The head's outputs [T, H] over pairs (ids [T], features [T, H])."""
+        return (self.head(ids, features, positions, self._attention(meta)),)
 
     def _attention(self, meta: AttentionMetadata) -> Attention:
         return self.attention(meta, self.cache, self.head.config.num_heads)

@@ -60,20 +60,21 @@ def pretend_flashinfer(monkeypatch, present: bool) -> None:
 
 
 @pytest.mark.parametrize(
-    "device, flashinfer, dtype, want_dtype, backend",
+    "device, flashinfer, dtype, graphs, want",
     [
-        ("cpu", True, "auto", "float32", "torch"),
-        ("cuda", True, "auto", "bfloat16", "flashinfer"),
-        ("cuda:0", False, "auto", "bfloat16", "torch"),
-        ("cuda", True, "float32", "float32", "torch"),  # FlashInfer has no float32 kernels
+        ("cpu", True, "auto", "auto", ("float32", "torch", False)),
+        ("cuda", True, "auto", "auto", ("bfloat16", "torch", True)),  # graphs capture torch's
+        ("cuda", True, "auto", "off", ("bfloat16", "flashinfer", False)),
+        ("cuda:0", False, "auto", "auto", ("bfloat16", "torch", True)),
+        ("cuda", True, "float32", "off", ("float32", "torch", False)),  # no float32 FlashInfer
     ],
 )
-def test_auto_dtype_and_attention_follow_the_device(
-    monkeypatch, device, flashinfer, dtype, want_dtype, backend
+def test_auto_dtype_attention_and_graphs_follow_the_device(
+    monkeypatch, device, flashinfer, dtype, graphs, want
 ):
     pretend_flashinfer(monkeypatch, flashinfer)
-    config = EngineConfig(device=device, dtype=dtype)
-    assert (config.torch_dtype, config.backend) == (want_dtype, backend)
+    config = EngineConfig(device=device, dtype=dtype, cuda_graphs=graphs)
+    assert (config.torch_dtype, config.backend, config.graphs) == want
 
 
 @pytest.mark.parametrize("attention", ["auto", "flashinfer"])
@@ -81,7 +82,7 @@ def test_auto_dtype_and_attention_follow_the_device(
 def test_flashinfer_serves_the_head_sizes_it_has_kernels_for(monkeypatch, attention, head_dim):
     """auto takes torch for another head size; flashinfer refuses it at start."""
     pretend_flashinfer(monkeypatch, True)
-    builder = Builder(EngineConfig(device="cuda", attention=attention))
+    builder = Builder(EngineConfig(device="cuda", attention=attention, cuda_graphs="off"))
     if head_dim == 16 and attention == "flashinfer":
         with pytest.raises(ValueError, match="no kernels for the model's head size 16"):
             builder.attention(head_dim)

@@ -11,13 +11,19 @@
 #   no-sync     MTP's one-token mode: no device stage of a decode step synchronises
 #   server      one request to server.py
 #   steps       decode and verify forwards of a SmolLM2-shaped model, bfloat16, batch 1 and 16
+#   graphs      CUDA graphs: every drafter's greedy output with graphs equal to eager
+#   graph-times forwards and the whole engine, graphs against eager (SmolLM2-shaped)
 # --dry-run runs on the CPU every step that has a CPU form (tiny models, the Triton kernel
-# interpreted, FlashInfer's metadata, the fake device's sync guard) and names those it skips.
-# Where $OUT is set, the log and image.txt are written there too.
+# interpreted, FlashInfer's metadata, the fake device's sync guard, the graphs' static buffers
+# run eagerly) and names those it skips. `--only graphs` (after --dry-run, if given) runs the
+# environment and the two graphs steps alone, in about 3 minutes. Where $OUT is set, the log
+# and image.txt are written there too.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DRY=0
-[ "${1:-}" = "--dry-run" ] && DRY=1
+[ "${1:-}" = "--dry-run" ] && DRY=1 && shift
+ONLY=""
+[ "${1:-}" = "--only" ] && ONLY=${2:?--only names a group: graphs}
 OUT=${OUT:-}
 LOG=${OUT:+$OUT/check.log}
 PY=${PYTHON:-python3}
@@ -72,8 +78,15 @@ if [ $DRY = 0 ]; then  # FlashInfer builds for this GPU alone, on every core
         "import torch; print('%d.%d' % torch.cuda.get_device_capability())")}
     export FLASHINFER_CUDA_ARCH_LIST
 fi
-if [ $DRY = 1 ]; then
-    export TANDEM_CHECK_DEVICE=cpu TRITON_INTERPRET=1
+if [ $DRY = 1 ]; then export TANDEM_CHECK_DEVICE=cpu TRITON_INTERPRET=1; fi
+if [ "$ONLY" = graphs ] && [ $DRY = 1 ]; then
+    step graphs 300 $PYTEST tests/gpu/test_graphs.py
+    step graph-times 120 $PY tests/gpu/graph_times.py --device cpu --repeats 2 --tokens 4 \
+        --batches 1 2
+elif [ "$ONLY" = graphs ]; then
+    step graphs 150 $PYTEST tests/gpu/test_graphs.py
+    step graph-times 150 $PY tests/gpu/graph_times.py --repeats 20
+elif [ $DRY = 1 ]; then
     step triton 120 $PYTEST tests/test_insert.py -k triton
     skip compile "FlashInfer compiles CUDA kernels"
     step flashinfer 120 $PYTEST tests/test_masks.py tests/test_attention.py \
@@ -82,6 +95,9 @@ if [ $DRY = 1 ]; then
     step engine 300 $PYTEST tests/gpu/test_engine.py
     step server 180 $PYTEST tests/gpu/test_server.py
     skip steps "times CUDA forwards"
+    step graphs 300 $PYTEST tests/gpu/test_graphs.py
+    step graph-times 120 $PY tests/gpu/graph_times.py --device cpu --repeats 2 --tokens 4 \
+        --batches 1 2
 else
     step triton 120 $PYTEST tests/test_insert.py -k triton
     step no-sync 120 $PYTEST tests/gpu/test_no_sync.py
@@ -90,6 +106,8 @@ else
     step engine 240 $PYTEST tests/gpu/test_engine.py
     step server 120 $PYTEST tests/gpu/test_server.py
     step steps 120 $PY tests/gpu/step_times.py --repeats 20
+    step graphs 150 $PYTEST tests/gpu/test_graphs.py
+    step graph-times 150 $PY tests/gpu/graph_times.py --repeats 20
 fi
 if [ ${#failed[@]} = 0 ]; then say "GPU check passed"; else
     say "GPU check FAILED: ${failed[*]}"

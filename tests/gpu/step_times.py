@@ -45,8 +45,9 @@ def backends() -> dict:
     return {"torch": TorchPagedAttention, "flashinfer": FlashInferBackend()}
 
 
-def forward_call(model, cache, backend, batch: int, context: int, rows: int, pages: int):
-    """A forward of `rows` new tokens for each of `batch` sequences after `context` cached."""
+def forward_inputs(cache, batch: int, context: int, rows: int, pages: int):
+    """(ids, positions, metadata) of a forward of `rows` new tokens for each of `batch`
+    sequences after `context` cached, sequence b on pages b * pages onwards."""
     device = cache.data.device
     tables = [PageTable(PAGE_SIZE, list(range(b * pages, (b + 1) * pages))) for b in range(batch)]
     end = context + rows
@@ -69,6 +70,12 @@ def forward_call(model, cache, backend, batch: int, context: int, rows: int, pag
         end,
     )
     ids = torch.randint(0, SMOLLM2.vocab_size, (batch * rows,), device=device)
+    return ids, positions, meta
+
+
+def forward_call(model, cache, backend, batch: int, context: int, rows: int, pages: int):
+    """A forward of `rows` new tokens for each of `batch` sequences after `context` cached."""
+    ids, positions, meta = forward_inputs(cache, batch, context, rows, pages)
 
     def call():
         attn = backend(meta, cache, SMOLLM2.num_heads)

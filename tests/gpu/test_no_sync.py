@@ -60,17 +60,21 @@ def sync_is_an_error(monkeypatch):
     monkeypatch.setattr(Outcome, "of", classmethod(guarded_download))
 
 
-@pytest.mark.parametrize("attention", ["torch", "flashinfer"])
-async def test_one_token_mode_never_syncs_on_cuda(tmp_path, sync_is_an_error, attention):
+@pytest.mark.parametrize(
+    "attention, graphs", [("torch", "off"), ("torch", "on"), ("flashinfer", "off")]
+)
+async def test_one_token_mode_never_syncs_on_cuda(tmp_path, sync_is_an_error, attention, graphs):
+    """With graphs too: a bucket's first forward is captured inside the step, unsynchronised."""
     if attention == "flashinfer":
         pytest.importorskip("flashinfer")
     target_dir = write_model(tmp_path / "t", hidden=128, head_dim=64, seed=0)
     save_mtp_head(random_mtp_head(load_model(target_dir), seed=7), tmp_path / "h")
     prompts = ragged_prompts(8, 300, seed=11)
-    plain_config = make_config(target_dir, device="cuda", attention=attention)
+    on_cuda = {"device": "cuda", "attention": attention, "cuda_graphs": graphs}
+    plain_config = make_config(target_dir, **on_cuda)
     async with running(plain_config) as engine:
         expected = await staggered(engine, prompts, GREEDY)
-    config = make_config(target_dir, "mtp", tmp_path / "h", k=1, device="cuda", attention=attention)
+    config = make_config(target_dir, "mtp", tmp_path / "h", k=1, **on_cuda)
     async with running(config) as engine:
         outs = await staggered(engine, prompts, GREEDY, seed=5)
     assert outs == expected  # a sync would have failed its step's requests

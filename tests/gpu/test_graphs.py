@@ -1,0 +1,72 @@
+"""CUDA graphs through the engine: for every drafter, greedy output with the decode forwards
+captured and replayed equals eager decoding on the same device, in float32 and bfloat16, but
+at the dtype's near-ties (a bucket pads the batch, and a padded product may round apart).
+
+Run on an accelerator with tests/gpu/check.sh (its graphs step); its --dry-run runs the same
+cases on the CPU, where the static buffers run eagerly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import pytest
+
+from core.params import SamplingParams
+from models.graphs import GraphedForward
+from tests.engine_util import (
+    DRAFTERS,
+    ROUNDING,
+    assert_departs_only_at_near_ties,
+    make_config,
+    ragged_prompts,
+    running,
+    staggered,
+    write_drafters,
+)
+from tests.tiny import write_model
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = "cpu" if os.environ.get("TANDEM_CHECK_DEVICE") == "cpu" else "cuda"
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target = write_model(tmp_path_factory.mktemp("target"), hidden=128, head_dim=64, seed=0)
+    return write_drafters(target, tmp_path_factory.mktemp("heads"))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [p + p[:6] for p in ragged_prompts(6, 300, seed=5)]  # repeats: suffix matches
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+async def test_every_drafter_with_graphs_equals_eager(models, prompts, dtype):
+    cases = {"none": ("none", None, 3, {}), **DRAFTERS}
+    logprobs = dataclasses.replace(GREEDY, logprobs=2)
+    for name, (method, draft, k, spec) in cases.items():
+        config = functools.partial(
+            make_config,
+            models["target"],
+            method,
+            models[draft] if draft else None,
+            k=k,
+            spec_kw=spec or None,
+            device=DEVICE,
+            dtype=dtype,
+            attention="torch",
+        )
+        async with running(config(cuda_graphs="off")) as engine:  # the reference, logprobs too
+            eager = [await engine.generate(p, logprobs) for p in prompts]
+        async with running(config(cuda_graphs="on")) as engine:
+            graphed = await staggered(engine, prompts, GREEDY, seed=5)
+            run = engine.stages.verifier.run
+            assert isinstance(run, GraphedForward) and run.inputs, name
+            if DEVICE == "cuda":
+                assert run.graphs, name  # captured, and replayed since
+        assert_departs_only_at_near_ties(eager, graphed, ROUNDING[dtype], name)
