@@ -268,6 +268,7 @@ class AsyncEngine:
             run = await inbox.get()
             plan = run.plan
             self._completed[plan.step] = run
+            deliveries = []
             try:
                 outcome = await self.executor.outcome(run)
             except Exception as error:  # a failed stage fails its step's requests only
@@ -275,7 +276,7 @@ class AsyncEngine:
                 self.publisher.fail_step(plan, f"{type(error).__name__}: {error}")
                 self.supervisor.step_ended(failed=True)
             else:
-                self.publisher.publish(plan, outcome, time.monotonic())
+                deliveries = self.publisher.publish(plan, outcome, time.monotonic())
                 self.supervisor.step_ended(failed=False)
             if not self.config.debug.pipelined:  # the next plan waits for the whole step
                 await _settled(run.done)
@@ -286,6 +287,9 @@ class AsyncEngine:
             self._publishes.set()
             self._release_completed()
             self._wake.set()
+            if deliveries:  # the planner submits the next step before the streams' readers run
+                await asyncio.sleep(0)
+                self.publisher.deliver(deliveries)
 
     async def _idle(self) -> None:
         """Nothing to run: wait for a step to complete (its pages come back) or for news."""

@@ -46,6 +46,9 @@ class RequestStream:
             self.done = True
 
 
+Delivery = tuple[RequestStream, Delta]
+
+
 class Publisher:
     def __init__(
         self,
@@ -71,10 +74,13 @@ class Publisher:
         stream = self.streams[request.request_id] = RequestStream(request.request_id, self.abort)
         return stream
 
-    def publish(self, plan: Plan, outcome: Outcome, now: float) -> None:
-        """The step's tokens to its requests; a request that finished at an earlier step
-        drops this step's extra token."""
+    def publish(self, plan: Plan, outcome: Outcome, now: float) -> list[Delivery]:
+        """The step's tokens to its requests, as deltas for `deliver` (the engine hands them
+        to the streams once the next step is planned: their readers' work then overlaps the
+        device's); a request that finished at an earlier step drops this step's extra
+        token."""
         decode = plan.kind == StepKind.DECODE
+        deliveries = []
         for i, seq in enumerate(plan.seqs):
             emitted = outcome.emitted[i]
             self.scheduler.landed(seq, plan.emits[i], emitted)
@@ -96,13 +102,20 @@ class Publisher:
             tokens = outcome.tokens[i][:emitted]
             delta = output.add(tokens, _logprobs(outcome, i, emitted, seq))
             self._observe_latency(output, len(delta.token_ids), now)
-            self._send(delta)
+            if (stream := self.streams.get(delta.request_id)) is not None:
+                deliveries.append((stream, delta))
             if delta.finish_reason is not None:
                 self.finish(output, None)
         if plan.k:
             self.metrics.observe_spec(plan.num_drafts, outcome.accepted)
         self.metrics.observe_step(now - self._last_publish, plan.k if decode else None)
         self._last_publish = now
+        return deliveries
+
+    @staticmethod
+    def deliver(deliveries: list[Delivery]) -> None:
+        for stream, delta in deliveries:
+            stream.queue.put_nowait(delta)
 
     def fail_step(self, plan: Plan, message: str) -> None:
         """A step whose device work failed: its requests fail."""
