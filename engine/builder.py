@@ -203,7 +203,12 @@ class Builder:
             insert=insert_kernel(self.device),
             drafter=drafter,
             verifier=Verifier(
-                model, cache, attention, history, drafter.target_layers, self.graphs(num_pages)
+                model,
+                cache,
+                attention,
+                history,
+                drafter.target_layers,
+                self.graphs(num_pages, model),
             ),
             sampler=SampleStage(history, model.config.vocab_size),
             refiller=RefillStage(history, drafter),
@@ -374,7 +379,7 @@ class Builder:
                 )
             cache = self.cache_for(model, num_pages)
             follows = self.config.spec.method == "hybrid"  # its rows may be the suffix's
-            graphs = self.graphs(num_pages)
+            graphs = self.graphs(num_pages, model)
             return DraftModelDrafter(model, cache, attention, rows, sampled, aware, follows, graphs)
         if spec.method == "hybrid":
             model_drafter = self.drafter(
@@ -392,7 +397,7 @@ class Builder:
             self.prepare(head, head=True)  # one layer: a one-layer cache
             if spec.tree == "chain":
                 cache = self.cache_for(head, num_pages)
-                graphs = self.graphs(num_pages)
+                graphs = self.graphs(num_pages, head)
                 return HeadDrafter(head, cache, attention, rows, sampled, aware, graphs)
             shape: FixedTree | DynamicTree
             if spec.tree == "fixed":
@@ -410,10 +415,11 @@ class Builder:
             )
         raise ValueError(f"speculative method {spec.method!r} is not available yet")
 
-    def graphs(self, num_pages: int) -> Callable[[Forward], Forward] | None:
-        """What turns a forward over caches of `num_pages` (cache_for's) into one over static
-        buffers, captured on CUDA (models/graphs.py); None without --cuda-graphs."""
-        if not self.config.graphs:
+    def graphs(self, num_pages: int, model: nn.Module) -> Callable[[Forward], Forward] | None:
+        """What turns `model`'s forward over caches of `num_pages` (cache_for's) into one over
+        static buffers, captured on CUDA (models/graphs.py); None without --cuda-graphs, and
+        for a model with MoE layers (their routing reads the device from the host)."""
+        if not self.config.graphs or any(isinstance(m, MoE) for m in model.modules()):
             return None
         scratch = num_pages * self.config.kv.page_size  # the page cache_for adds
         capture = self.device.type == "cuda"

@@ -181,7 +181,11 @@ class HeadDrafter:
         return hidden.view(e, m, -1)
 
     def forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, features
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        features: torch.Tensor,
     ) -> tuple[torch.Tensor]:
         """The head's outputs [T, H] over pairs (ids [T], features [T, H])."""
         return (self.head(ids, features, positions, self._attention(meta)),)

@@ -3,6 +3,8 @@ eagerly on the CPU, against the engine's own forwards and against plain decoding
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from models.graphs import MIN_KEYS, Bucket, GraphedForward, StaticInputs, bucket
 from models.llama import prepare_for_inference
 from models.loader import load_model
 from models.mtp import save_mtp_head
-from tests.engine_util import make_config, running, staggered
+from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
 from tests.tiny import random_eagle_head, random_mtp_head
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -175,3 +177,17 @@ async def test_greedy_output_through_static_buffers_equals_plain(
             assert isinstance(drafter.run, GraphedForward) and drafter.run.inputs
         await engine.wait_idle()
         assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+async def test_moe_forwards_stay_eager():
+    """A MoE layer's routing reads the device from the host (no capture): the DeepSeek-style
+    demo's target and MTP layer run their own forwards under --cuda-graphs, losslessly."""
+    demo = Path(__file__).resolve().parent.parent / "models" / "demo" / "deepseek"
+    prompts = ragged_prompts(3, 4096, seed=9)
+    async with running(make_config(demo, pages=512)) as engine:
+        plain = [token_ids(await engine.generate(p, GREEDY)) for p in prompts]
+    config = make_config(demo, "mtp", None, k=2, pages=512, cuda_graphs="on")
+    async with running(config) as engine:
+        assert not isinstance(engine.stages.verifier.run, GraphedForward)
+        assert not isinstance(engine.stages.drafter.run, GraphedForward)
+        assert [token_ids(await engine.generate(p, GREEDY)) for p in prompts] == plain
