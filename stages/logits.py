@@ -112,23 +112,12 @@ def adjusted_logits(
     allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """process_logits' first part: the logits (in at least float32) after the penalties, the
-    logit bias and the grammar's mask, whose argmax greedy rows take."""
+    logit bias and the grammar's mask, whose argmax greedy rows take (an all-greedy batch's
+    tokens, without building their one-hot distributions)."""
     logits = cast(logits, torch.promote_types(logits.dtype, torch.float32))
     if penalties is not None and st.any_penalty:
         logits = _apply_penalties(logits, st, penalties, draft_tokens)
     return mask_logits(add_logit_bias(logits, st.logit_bias), allowed)
-
-
-def greedy_tokens(
-    logits: torch.Tensor,
-    st: SamplingTensors,
-    penalties: PenaltyState | None = None,
-    draft_tokens: torch.Tensor | None = None,
-    allowed: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """[B, S] int64: the argmax of process_logits' distributions for an all-greedy batch,
-    without building them (their one-hot rows)."""
-    return native.argmax(adjusted_logits(logits, st, penalties, draft_tokens, allowed))
 
 
 def _one_hot(tokens: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:

@@ -12,9 +12,10 @@ import torch.nn.functional as F
 
 from core.params import SamplingTensors
 from core.step import DevicePlan, Drafts, Plan, TargetOutput, Verdict
+from models import native
 from stages.grammar import GrammarWalk
 from stages.history import TokenHistory
-from stages.logits import PenaltyState, greedy_tokens, process_logits
+from stages.logits import PenaltyState, adjusted_logits, process_logits
 from stages.rng import couple
 from stages.sampling import chain_verify, logprobs, point_mass_verify, sample, tree_verify
 
@@ -61,7 +62,8 @@ class SampleStage:
             capped = [row[:n] for row, n in zip(listed, plan.num_drafts, strict=True)]
             allowed = walk.chain(capped, plan.width)
         if st.all_greedy and drafts.probs is None:  # the argmax; no distribution is needed
-            drawn = greedy_tokens(out.logits, st, penalties, draft_tokens, allowed)  # [B, W]
+            adjusted = adjusted_logits(out.logits, st, penalties, draft_tokens, allowed)
+            drawn = native.argmax(adjusted)  # [B, W]
             verdict = self._greedy(dev, drawn, drafts)
         else:
             probs = process_logits(out.logits, st, penalties, draft_tokens, allowed)  # [B, W, V]

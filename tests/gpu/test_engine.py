@@ -22,13 +22,10 @@ from tests.engine_util import (
     ROUNDING,
     assert_departs_only_at_near_ties,
     make_config,
-    ragged_prompts,
     running,
     staggered,
     token_ids,
-    write_drafters,
 )
-from tests.tiny import write_model
 
 pytestmark = pytest.mark.gpu
 
@@ -42,17 +39,6 @@ def cases() -> list[tuple[str, str, str]]:
     if FLASHINFER and DEVICES[0] != "cpu":
         out += [(d, "bfloat16", "flashinfer") for d in DEVICES]
     return out
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    target = write_model(tmp_path_factory.mktemp("target"), hidden=128, head_dim=64, seed=0)
-    return write_drafters(target, tmp_path_factory.mktemp("heads"))
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return [p + p[:6] for p in ragged_prompts(4, 300, seed=5)]  # repeats: suffix matches
 
 
 @pytest.fixture(scope="module")

@@ -21,28 +21,14 @@ from tests.engine_util import (
     ROUNDING,
     assert_departs_only_at_near_ties,
     make_config,
-    ragged_prompts,
     running,
     staggered,
-    write_drafters,
 )
-from tests.tiny import write_model
 
 pytestmark = pytest.mark.gpu
 
 DEVICE = "cpu" if os.environ.get("TANDEM_CHECK_DEVICE") == "cpu" else "cuda"
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    target = write_model(tmp_path_factory.mktemp("target"), hidden=128, head_dim=64, seed=0)
-    return write_drafters(target, tmp_path_factory.mktemp("heads"))
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return [p + p[:6] for p in ragged_prompts(6, 300, seed=5)]  # repeats: suffix matches
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
