@@ -9,6 +9,7 @@ import torch
 
 from core.params import SamplingTensors
 from core.step import DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
+from models import native
 from models.attention import CausalAttention
 from stages.grammar import DraftWalk, GrammarWalk
 from stages.logits import add_logit_bias, mask_logits, process_logits
@@ -26,7 +27,7 @@ def choose_drafts(
     q, which the sampler then needs whole for the residual; coupled rows (given `noise`) take
     q's Gumbel-max token, the coupling's guess at the target's."""
     if u is None:  # the bias, so that a biased target still accepts these drafts
-        return add_logit_bias(logits, st.logit_bias).argmax(-1), None
+        return native.argmax(add_logit_bias(logits, st.logit_bias)), None
     q = process_logits(logits[:, None], st)[:, 0]
     tokens = draw(q, u)
     if noise is not None and st.coupled is not None:
