@@ -66,7 +66,7 @@ class Batch:
 
 @dataclass(frozen=True)
 class Plan:
-    """One step, as decided on the host (stages/plan.py makes it; nothing changes it)."""
+    """One step, as decided on the host (stages/pack.py makes it; nothing changes it)."""
 
     step: int
     kind: StepKind

@@ -371,6 +371,9 @@ class DebugConfig:
 
     pipelined: bool = True  # plan step N+1 while the device runs step N
     device_delay: float = 0.0  # a random delay (seconds) injected into device work
+    # called as each device stage starts, with (stage name, plan, device plan): a test's
+    # injected failure (it raises) or probe
+    fault: Callable[[str, Any, Any], None] | None = None
 
 
 @dataclass(frozen=True)

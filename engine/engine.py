@@ -119,7 +119,7 @@ class AsyncEngine:
             device=self.device,
             stages=self.stages,
             record=self._record,
-            delay=config.debug.device_delay,
+            debug=config.debug,
             group=group,
         )
         self._ids = itertools.count()

@@ -20,13 +20,13 @@ import torch
 
 from core.step import DevicePlan, Drafts, Outcome, Plan, StepKind, TargetOutput, Verdict
 from engine.builder import DeviceStages
+from engine.config import DebugConfig
 from engine.device import Event, Stream
 from engine.parallel import Group
 from stages.insert import next_tokens
-from stages.plan import FIELDS, unpack
+from stages.pack import FIELDS, unpack
 
-Packed = tuple[list[int], dict[str, int]]  # stages.plan.pack: the flat buffer, section sizes
-Fault = Callable[[str, Plan, DevicePlan | None], None]  # (stage, plan, device plan)
+Packed = tuple[list[int], dict[str, int]]  # stages.pack.pack: the flat buffer, section sizes
 Record = Callable[..., None]  # Tracer.record's signature
 
 
@@ -89,12 +89,13 @@ class Executor:
         device: torch.device,
         stages: DeviceStages,
         record: Record,
-        delay: float,
+        debug: DebugConfig,
         group: Group | None = None,  # tensor parallelism: this rank's group
     ):
         self.stages = stages
         self.group = group
         self.record = record  # each stage's timeline record
+        delay = debug.device_delay
         self.compute = Stream(device, "compute", delay, seed=1)
         # copies overlap compute only on a GPU; on the CPU the host does them itself (a thread
         # hand-off each way would cost more than the copy)
@@ -102,7 +103,7 @@ class Executor:
         self.h2d = Stream(device, "h2d", delay, seed=2) if copies else None
         self.d2h = Stream(device, "d2h", delay, seed=3) if copies else None
         self.host_buffers = HostBuffers(device)
-        self.fault: Fault | None = None  # tests inject stage failures here
+        self.fault = debug.fault
 
     async def run_step(self, plan: Plan, packed: Packed) -> StepRun:
         flat, layout = packed

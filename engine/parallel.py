@@ -65,7 +65,7 @@ class Received:
 
     plan: Plan
     buffer: torch.Tensor  # [n] int32 the plan's packed sections
-    layout: dict[str, int]  # section sizes (stages.plan.pack)
+    layout: dict[str, int]  # section sizes (stages.pack.pack)
     drafts: Drafts | None  # the leader's drafts (a draft model); None: the rank drafts itself
 
 
@@ -112,7 +112,7 @@ class Group:
 
     def receive(self, fields: tuple[str, ...]) -> Received | None:
         """The next step the leader sends (None: stop). `fields`: the names of the plan's
-        sections, in their order (stages.plan.FIELDS)."""
+        sections, in their order (stages.pack.FIELDS)."""
         while True:
             self._broadcast()
             op, length = self.buffer[:2].tolist()
@@ -155,7 +155,7 @@ def encode_step(
 
 
 def decode_step(body: torch.Tensor, fields: tuple[str, ...]) -> Received:
-    """What encode_step wrote; `fields`: the sections' names (stages.plan.FIELDS)."""
+    """What encode_step wrote; `fields`: the sections' names (stages.pack.FIELDS)."""
     words = body.tolist()
     step, kind, k, page_size, top, flags, depth, siblings, count = words[:9]
     sizes = words[9 : 9 + count]

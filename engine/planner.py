@@ -1,5 +1,5 @@
 """Planning: the next step's batch from the scheduler, made into a Plan on the host
-(stages/plan.py) and packed for the device. A plan that fails fails its requests (planning
+(stages/pack.py) and packed for the device. A plan that fails fails its requests (planning
 each alone finds the culprits; when none fails alone, the fault is the step's and all of
 them fail), and the step is planned again without them.
 """
@@ -21,7 +21,7 @@ from engine.executor import Packed
 from engine.scheduler import Scheduler
 from stages.draft import Drafter
 from stages.grammar import host_drafts
-from stages.plan import draft_cap, make_plan, pack
+from stages.pack import draft_cap, make_plan, pack
 
 log = logging.getLogger("tandem.engine")
 
@@ -138,7 +138,7 @@ class Planner:
             if all(map(operator.is_, requests, cached[0])):
                 return cached[1]
         params, seeds = [r.params for r in requests], [r.seed for r in requests]
-        # on the host: the step's stream copies them to the device (stages/plan.py unpack),
+        # on the host: the step's stream copies them to the device (stages/pack.py unpack),
         # so that the event loop never waits for a device copy
         cuda = self.device.type == "cuda"
         tensors = SamplingTensors.build(params, seeds, "cpu", self.vocab_size, pin=cuda)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from engine.builder import Builder
-from engine.config import EngineConfig
+from engine.config import DebugConfig, EngineConfig
 from engine.engine import AsyncEngine
 from engine.executor import Executor
 from engine.parallel import Group, Workers, join
@@ -57,7 +57,8 @@ def serve_rank(config: EngineConfig, group: Group, ready: Callable[[], None]) ->
     built = Builder(config, group).build()
     path = f"{config.trace_file}.rank{group.rank}" if config.trace_file else None
     tracer = Tracer(path, rank=group.rank)
-    executor = Executor(torch.device(config.device), built.stages, tracer.record, 0.0, group)
+    device = torch.device(config.device)
+    executor = Executor(device, built.stages, tracer.record, DebugConfig(), group)
     ready()
     try:
         executor.follow()

@@ -10,8 +10,8 @@ step's forwards see is settled on the device (the host plans step N+1 before it 
 N accepted), so each forward is planned over its metadata's padded shape, known on the host,
 and the device builds the mask that says which of those keys and queries are real.
 
-`flashinfer` is imported when a planner is built, never when this module is imported: the CPU
-environment does not install it.
+`flashinfer` is imported when a model's wrappers are built, never when this module is
+imported: the CPU environment does not install it.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ FLASHINFER_HEAD_DIMS = (64, 128, 256)  # the head sizes its prefill kernels are 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace per wrapper
 
 
-class FlashInferPlanner:
-    """Plans FlashInfer attention for one model (one head shape and dtype), once per forward.
+class FlashInferWrappers:
+    """FlashInfer's attention wrappers for one model (one head shape and dtype), planned once
+    per forward.
 
     `plan()` runs on the host: it takes the forward's CSR page table as int32 CPU tensors (the
     page indices may be on the device), schedules the work and queues the copies to the device
@@ -151,24 +152,24 @@ class FlashInferBackend:
     """
 
     def __init__(self) -> None:
-        self.planners: dict[tuple, FlashInferPlanner] = {}  # one per head shape and dtype
+        self.by_shape: dict[tuple, FlashInferWrappers] = {}  # one per head shape and dtype
 
     def __call__(
         self, meta: AttentionMetadata, cache: KVCache, num_q_heads: int
     ) -> FlashInferAttention:
         dtype, device, ps = cache.data.dtype, cache.data.device, cache.page_size
         key = (num_q_heads, cache.num_kv_heads, cache.head_dim, ps, dtype, device)
-        planner = self.planners.get(key)
-        if planner is None:
-            planner = FlashInferPlanner(
+        wrappers = self.by_shape.get(key)
+        if wrappers is None:
+            wrappers = FlashInferWrappers(
                 num_q_heads, cache.num_kv_heads, cache.head_dim, ps, dtype, device
             )
-            self.planners[key] = planner
+            self.by_shape[key] = wrappers
         rows, max_q, max_kv = meta.num_seqs, meta.max_q, meta.kv_slots.shape[1]
         pages = -(-max_kv // ps)  # each row's, the last holding max_kv - (pages - 1) * ps keys
         every = torch.arange(rows + 1, dtype=torch.int32)
         last_page_len = torch.full((rows,), max_kv - (pages - 1) * ps, dtype=torch.int32)
-        planner.plan(
+        wrappers.plan(
             every * max_q,
             every * pages,
             (meta.kv_slots[:, ::ps] // ps).to(torch.int32).reshape(-1),  # [B * pages]
@@ -176,4 +177,4 @@ class FlashInferBackend:
             pack_padded_mask(meta.visible()),
         )
         padded = meta.q_index.numel() != rows * max_q
-        return planner.bind(cache, meta.slot_mapping, meta.q_index if padded else None)
+        return wrappers.bind(cache, meta.slot_mapping, meta.q_index if padded else None)

@@ -20,7 +20,7 @@ from models.attention import Attention, AttentionBackend, CausalAttention
 from models.graphs import Forward
 from models.llama import LlamaModel
 from stages.draft import draft_chain, refill_columns
-from stages.plan import drafter_metadata
+from stages.pack import drafter_metadata
 
 
 class DraftModelDrafter:

@@ -30,7 +30,7 @@ from models.eagle import Eagle3Head, EagleHead
 from models.graphs import Forward
 from models.mtp import MTPHead
 from stages.draft import draft_chain, probe_head, refill_columns
-from stages.plan import drafter_metadata
+from stages.pack import drafter_metadata
 
 Head = EagleHead | Eagle3Head | MTPHead
 

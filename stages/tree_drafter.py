@@ -3,7 +3,7 @@
 (DynamicTree), and the target verifies the whole tree in one forward (stages/tree.py: its
 ancestry and masks, the accepted path's KV move).
 
-A shape is a pure planner: its `plan` is a generator that yields each Expansion (the nodes
+A shape is pure: its `grow` is a generator that yields each Expansion (the nodes
 the head must run next) and is sent the head's output for them, and returns the DraftedTree.
 It never touches the head, its cache or the step's attention; TreeDrafter runs the head.
 """
@@ -64,7 +64,7 @@ class TreeDrafter(HeadDrafter):
         walk = GrammarWalk.of(plan.seqs) if self.grammar_aware else None
         # the root's children come from the deferred outputs: the first level costs no forward
         roots = self.deferred_logits[dev.rows], self.deferred_hidden[dev.rows]
-        tree = self._grow(dev, shape.plan(roots, dev.base, plan.k, st if sampled else None, walk))
+        tree = self._grow(dev, shape.grow(roots, dev.base, plan.k, st if sampled else None, walk))
         # never accept past num_drafts: deeper nodes become padding (their subtrees too)
         tokens = torch.where(tree.depths <= dev.num_drafts[:, None], tree.tokens, -1)
         depth = min(shape.depth, plan.k)
@@ -91,12 +91,12 @@ class TreeDrafter(HeadDrafter):
         self.keep_page_ends(dev, features, accepted)
         return m
 
-    def _grow(self, dev: DevicePlan, planner: Planner) -> DraftedTree:
-        """Run the head over each expansion the planner asks for, until it returns its tree."""
+    def _grow(self, dev: DevicePlan, growth: Growth) -> DraftedTree:
+        """Run the head over each expansion the shape asks for, until it returns its tree."""
         try:
-            expansion = next(planner)
+            expansion = next(growth)
             while True:
-                expansion = planner.send(self.expand(dev, expansion))
+                expansion = growth.send(self.expand(dev, expansion))
         except StopIteration as done:
             return done.value
 
@@ -146,7 +146,7 @@ def scratch_slots(start: int, rows: torch.Tensor, size: int, page_size: int) -> 
 
 @dataclass(frozen=True)
 class Expansion:
-    """Tree nodes the head runs over, m a sequence: a planner's request."""
+    """Tree nodes the head runs over, m a sequence: a shape's request."""
 
     level: int  # the nodes' depth (their tokens sit at positions base + level)
     first: int  # the scratch index of the first; the m nodes take first .. first + m - 1
@@ -167,9 +167,9 @@ class DraftedTree:
     noise: torch.Tensor | None  # [B, depth + 1, V] the coupling's (Drafts.noise)
 
 
-# a shape's plan: yields Expansions, is sent (children's logits [B, m, V], head features
+# a shape's growth: yields Expansions, is sent (children's logits [B, m, V], head features
 # [B, m, H]) for each, returns the tree
-Planner = Generator[Expansion, tuple[torch.Tensor, torch.Tensor], DraftedTree]
+Growth = Generator[Expansion, tuple[torch.Tensor, torch.Tensor], DraftedTree]
 Roots = tuple[torch.Tensor, torch.Tensor]  # logits [B, V] of the root's children, feature [B, H]
 
 
@@ -251,14 +251,14 @@ class FixedTree:
                 node = parents[node]
         return visible.to(self.device)
 
-    def plan(
+    def grow(
         self,
         roots: Roots,
         base: torch.Tensor,  # [B] the committed length's last position
         n: int,
         st: SamplingTensors | None = None,
         walk: GrammarWalk | None = None,
-    ) -> Planner:
+    ) -> Growth:
         """The first n nodes; a prefix of the nodes is a tree: its ancestors are a corner of
         the whole tree's. With `st` children are drawn from q (and kept, for the sampler);
         coupled rows take q's top Gumbel-perturbed tokens. Without, children are ranked by
@@ -332,14 +332,14 @@ class DynamicTree:
         depths = [1] * topk + [d for d in range(2, depth + 1) for _ in range(topk**2)]
         self.depths = torch.tensor(depths, dtype=torch.long, device=device)  # [C] candidates
 
-    def plan(
+    def grow(
         self,
         roots: Roots,
         base: torch.Tensor,  # [B] the committed length's last position
         n: int,
         st: SamplingTensors | None = None,
         walk: GrammarWalk | None = None,
-    ) -> Planner:
+    ) -> Growth:
         """n nodes, without ancestors (tree_drafts finds them) or q (children ranked by score
         are point masses). With `st`, a coupled row ranks children by their Gumbel-perturbed
         log-probability (the coupling's guess at the target's token there). With `walk` the

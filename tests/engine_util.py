@@ -40,7 +40,7 @@ def make_config(
     fields = {"adaptive_k": False} | (spec_kw or {})
     spec = SpecConfig(method=method, draft=draft, num_speculative_tokens=k, **fields)
     kv = KVConfig(page_size=page_size, num_pages=pages, dtype=kv_dtype)
-    debug = {name: kw.pop(name) for name in ("pipelined", "device_delay") if name in kw}
+    debug = {name: kw.pop(name) for name in ("pipelined", "device_delay", "fault") if name in kw}
     return EngineConfig(str(target), spec, kv, DebugConfig(**debug), **kw)
 
 

@@ -135,15 +135,15 @@ def test_fixed_tree_ancestors_hold_for_every_prefix():
         assert torch.equal(tree.ancestors[:, :n, :n], tree_ancestors(parents, tree.depth))
 
 
-def planned(planner, head):
-    """Drive a tree shape's plan with `head` (an Expansion -> (logits, features)); returns
+def grown(growth, head):
+    """Drive a tree shape's growth with `head` (an Expansion -> (logits, features)); returns
     the tree and the expansions asked for."""
     asked = []
     try:
-        expansion = next(planner)
+        expansion = next(growth)
         while True:
             asked.append(expansion)
-            expansion = planner.send(head(expansion))
+            expansion = growth.send(head(expansion))
     except StopIteration as done:
         return done.value, asked
 
@@ -159,8 +159,8 @@ def ranked_head(vocab: int):
     return logits, lambda x: (logits(x.ids), x.ids[..., None].float())
 
 
-def test_tree_shapes_are_pure_planners():
-    """A shape plans from the root's outputs and what it is sent for each expansion, without a
+def test_tree_shapes_grow_without_a_head():
+    """A shape grows from the root's outputs and what it is sent for each expansion, without a
     head of its own: driven by a stand-in, a fixed tree is its paths' ranked children, each
     expansion carries its nodes' parents' features, and a dynamic tree's nodes are top
     children of their parents, parents first."""
@@ -168,7 +168,7 @@ def test_tree_shapes_are_pure_planners():
     logits, head = ranked_head(vocab)
     roots = logits(torch.zeros(2, dtype=torch.long)), torch.zeros(2, 1)
     fixed = tree_drafter.FixedTree(FIXED, torch.device("cpu"))
-    tree, asked = planned(fixed.plan(roots, base, fixed.size), head)
+    tree, asked = grown(fixed.grow(roots, base, fixed.size), head)
     # the root (token 0) ranks 1, 2, ...; token 1 ranks 4, 5; token 2: 7; 4: 13, 14; 13: 8
     assert tree.tokens.tolist() == [[1, 2, 4, 5, 7, 13, 14, 8]] * 2
     assert [x.level for x in asked] == [1, 2, 3]
@@ -181,7 +181,7 @@ def test_tree_shapes_are_pure_planners():
     assert [x.features[..., 0].tolist() for x in asked[1:]] == [[[1.0]] * 2, [[4.0]] * 2]
 
     dynamic = tree_drafter.DynamicTree(depth=3, topk=2, device=torch.device("cpu"))
-    tree, asked = planned(dynamic.plan(roots, base, 5), head)
+    tree, asked = grown(dynamic.grow(roots, base, 5), head)
     assert [x.level for x in asked] == [1, 2]
     for row in range(2):
         tokens, parents = tree.tokens[row].tolist(), tree.parents[row].tolist()

@@ -123,17 +123,14 @@ async def test_random_submits_and_aborts_free_every_page(tiny_target):
 
 
 async def test_failing_stage_errors_its_requests_and_engine_goes_on(tiny_target):
-    async with running(make_config(tiny_target)) as engine:
+    def fault(stage, plan, dev):
+        if stage == "verify" and plan.step == 3:
+            raise RuntimeError("injected")
 
-        def fault(stage, plan, dev):
-            if stage == "verify" and plan.step == 3:
-                raise RuntimeError("injected")
-
-        engine.executor.fault = fault
+    async with running(make_config(tiny_target, fault=fault)) as engine:
         first = await engine.generate([1, 2, 3], GREEDY)
         assert first[-1].finish_reason is FinishReason.ERROR
         assert "injected" in first[-1].error
-        engine.executor.fault = None
         second = await engine.generate([1, 2, 3], GREEDY)
         assert second[-1].finish_reason is FinishReason.LENGTH
         await engine.wait_idle()

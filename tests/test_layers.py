@@ -62,12 +62,12 @@ def test_the_check_sees_a_crossing_inside_a_function(tmp_path):
     (tmp_path / "kv").mkdir()
     (tmp_path / "kv" / "pages.py").write_text("def f():\n    from engine.config import X\n")
     (tmp_path / "models").mkdir()
-    (tmp_path / "models" / "llama.py").write_text("import kv.pages\nimport stages.plan\n")
+    (tmp_path / "models" / "llama.py").write_text("import kv.pages\nimport stages.pack\n")
     (tmp_path / "core").mkdir()
     (tmp_path / "core" / "step.py").write_text("from kv.table import PageTable\n")
     assert crossings(tmp_path) == {
         ("kv/pages.py", "engine.config"),
-        ("models/llama.py", "stages.plan"),
+        ("models/llama.py", "stages.pack"),
         ("core/step.py", "kv.table"),
     }
 

@@ -243,25 +243,23 @@ def test_sampled_mtp_follows_target(tmp_path, k):
 async def test_one_token_mode_never_syncs_the_host(
     tiny_target, head_dir, ragged16, plain16, forbid_host_sync
 ):
-    config = make_config(tiny_target, "mtp", head_dir, k=1, max_batch_tokens=64)
     unknown: list[int] = []
+
+    def probe(name, plan, dev):
+        unknown.extend(plan.unknown if name == "draft" else [])
+
+    config = make_config(tiny_target, "mtp", head_dir, k=1, max_batch_tokens=64, fault=probe)
     async with running(config) as engine:
-        engine.executor.fault = lambda name, plan, dev: unknown.extend(
-            plan.unknown if name == "draft" else []
-        )
         outs = await staggered(engine, ragged16, GREEDY, seed=5)
     assert outs == plain16  # no step failed on a conversion, and the output is lossless
     assert sum(unknown) > len(ragged16)  # steps were planned before the last one was sampled
 
 
 async def test_the_host_sync_guard_catches_a_conversion(tiny_target, head_dir, forbid_host_sync):
-    config = make_config(tiny_target, "mtp", head_dir, k=1)
-
     def sync(name, plan, dev):
         if name == "verify" and plan.kind == "decode":
             dev.base.tolist()
 
-    async with running(config) as engine:
-        engine.executor.fault = sync
+    async with running(make_config(tiny_target, "mtp", head_dir, k=1, fault=sync)) as engine:
         out = await engine.generate([1, 2, 3], GREEDY)
     assert out[-1].finish_reason == "error" and "host sync" in out[-1].error

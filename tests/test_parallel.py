@@ -29,7 +29,7 @@ from models.llama import LlamaConfig
 from models.loader import load_model
 from models.mtp import save_mtp_head
 from models.shard import Shard, fitting_sizes
-from stages.plan import FIELDS, make_plan, pack
+from stages.pack import FIELDS, make_plan, pack
 from tests.engine_util import (
     make_config,
     running,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 
 import pytest
@@ -96,14 +97,13 @@ async def test_a_dead_loop_stops_the_engine(tiny_target, monkeypatch):
 
 
 async def test_the_watchdog_stops_a_hung_engine(tiny_target):
-    async with running(make_config(tiny_target, watchdog_s=0.5)) as engine:
-        hang = asyncio.Event()
+    hang = threading.Event()
 
-        def stuck(stage, plan, dev):
-            if stage == "verify" and not hang.is_set():
-                time.sleep(2.0)  # the device thread hangs in a step
+    def stuck(stage, plan, dev):
+        if stage == "verify" and not hang.is_set():
+            time.sleep(2.0)  # the device thread hangs in a step
 
-        engine.executor.fault = stuck
+    async with running(make_config(tiny_target, watchdog_s=0.5, fault=stuck)) as engine:
         start = time.monotonic()
         deltas = await engine.generate(PROMPTS[0], GREEDY)
         assert deltas[-1].finish_reason is FinishReason.ERROR
@@ -113,13 +113,11 @@ async def test_the_watchdog_stops_a_hung_engine(tiny_target):
 
 
 async def test_the_circuit_breaker_opens_after_failed_steps(tiny_target):
-    async with running(make_config(tiny_target, max_failed_steps=3)) as engine:
+    def sticky(stage, plan, dev):
+        if stage == "verify":
+            raise RuntimeError("device error: an illegal memory access")
 
-        def sticky(stage, plan, dev):
-            if stage == "verify":
-                raise RuntimeError("device error: an illegal memory access")
-
-        engine.executor.fault = sticky
+    async with running(make_config(tiny_target, max_failed_steps=3, fault=sticky)) as engine:
         for _ in range(3):  # each request fails at least one step
             try:
                 deltas = await engine.generate(PROMPTS[0], GREEDY)
@@ -131,18 +129,17 @@ async def test_the_circuit_breaker_opens_after_failed_steps(tiny_target):
 
 
 async def test_a_served_step_closes_the_breaker(tiny_target):
-    async with running(make_config(tiny_target, max_failed_steps=2)) as engine:
-        fired: list[int] = []
+    armed = threading.Event()  # the next verify fails, once
 
-        def once(stage, plan, dev):
-            if stage == "verify" and not fired:
-                fired.append(plan.step)
-                raise RuntimeError("transient")
+    def once(stage, plan, dev):
+        if stage == "verify" and armed.is_set():
+            armed.clear()
+            raise RuntimeError("transient")
 
+    async with running(make_config(tiny_target, max_failed_steps=2, fault=once)) as engine:
         for _ in range(3):  # fail, serve, fail, serve...: never two failures in a row
-            fired.clear()
-            engine.executor.fault = once
+            armed.set()
             assert (await engine.generate(PROMPTS[0], GREEDY))[-1].error is not None
-            engine.executor.fault = None
+            assert not armed.is_set()
             assert (await engine.generate(PROMPTS[0], GREEDY))[-1].error is None
         assert engine.failure is None

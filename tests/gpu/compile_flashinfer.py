@@ -11,7 +11,7 @@ import time
 import torch
 
 from kv.cache import KVCache
-from models.flashinfer_backend import FlashInferPlanner
+from models.flashinfer_backend import FlashInferWrappers
 from models.masks import pack_tree_mask
 
 
@@ -28,9 +28,9 @@ def main() -> None:
     for name, mask in [("custom mask", pack_tree_mask([torch.ones(3, 20).tril(17) > 0])),
                        ("causal", None)]:  # fmt: skip
         start = time.perf_counter()
-        planner = FlashInferPlanner(heads, kv_heads, head_dim, page_size, torch.bfloat16)
-        planner.plan(*csr, tree_mask=mask)
-        planner.bind(cache, slots)(0, q, k, k)
+        wrappers = FlashInferWrappers(heads, kv_heads, head_dim, page_size, torch.bfloat16)
+        wrappers.plan(*csr, tree_mask=mask)
+        wrappers.bind(cache, slots)(0, q, k, k)
         torch.cuda.synchronize()
         print(f"FlashInfer prefill, {name}: first plan and run {time.perf_counter() - start:.1f} s")
 

@@ -25,9 +25,9 @@ flashinfer = pytest.importorskip("flashinfer")
 LAYERS, HEAD_DIM, DTYPE = 2, 64, torch.bfloat16
 
 
-def planned(batch: Batch, num_q_heads: int, num_kv_heads: int, planner=None):
+def planned(batch: Batch, num_q_heads: int, num_kv_heads: int, wrappers=None):
     """(torch backend, FlashInfer backend) over two caches holding the same noise."""
-    from models.flashinfer_backend import FlashInferPlanner
+    from models.flashinfer_backend import FlashInferWrappers
 
     caches = [
         KVCache(LAYERS, NUM_PAGES, batch.page_size, num_kv_heads, HEAD_DIM, DTYPE, "cuda")
@@ -35,11 +35,11 @@ def planned(batch: Batch, num_q_heads: int, num_kv_heads: int, planner=None):
     ]
     caches[0].data.normal_()
     caches[1].data.copy_(caches[0].data)
-    if planner is None:
-        planner = FlashInferPlanner(num_q_heads, num_kv_heads, HEAD_DIM, batch.page_size, DTYPE)
+    if wrappers is None:
+        wrappers = FlashInferWrappers(num_q_heads, num_kv_heads, HEAD_DIM, batch.page_size, DTYPE)
     tree = pack_tree_mask([s.mask() for s in batch.seqs]) if batch.trees else None
-    planner.plan(*batch.csr_tensors(), tree_mask=tree)
-    theirs = planner.bind(caches[1], torch.tensor(batch.slots, device="cuda"))
+    wrappers.plan(*batch.csr_tensors(), tree_mask=tree)
+    theirs = wrappers.bind(caches[1], torch.tensor(batch.slots, device="cuda"))
     ours = TorchPagedAttention(batch.metadata("cuda"), caches[0], num_q_heads)
     return ours, theirs
 
@@ -82,12 +82,12 @@ def test_the_engine_backend_matches_torch_backend(case):
 
 def test_plan_ahead_keeps_the_bound_plan():
     """Planning step N+1 before step N's forward runs leaves step N's plan intact."""
-    from models.flashinfer_backend import FlashInferPlanner
+    from models.flashinfer_backend import FlashInferWrappers
 
-    planner = FlashInferPlanner(4, 2, HEAD_DIM, 16, DTYPE)
+    wrappers = FlashInferWrappers(4, 2, HEAD_DIM, 16, DTYPE)
     now, ahead = Batch(CASES["tree"], 16, seed=1), Batch(CASES["verify"], 16, seed=2)
-    backends_now = planned(now, 4, 2, planner)
-    backends_ahead = planned(ahead, 4, 2, planner)
+    backends_now = planned(now, 4, 2, wrappers)
+    backends_ahead = planned(ahead, 4, 2, wrappers)
     compare(now, *backends_now, 4, 2)
     compare(ahead, *backends_ahead, 4, 2)
 

@@ -7,7 +7,7 @@ import torch
 
 from core.params import SamplingTensors
 from core.step import Batch, Sequence, StepKind
-from stages.plan import make_plan, pack, unpack
+from stages.pack import make_plan, pack, unpack
 from tests.engine_util import sequence
 
 PAGE = 4

@@ -1,4 +1,6 @@
-"""Plan: the host side of a step. Decides what the device needs for a batch, and packs it.
+"""A step's plan packed for the device: what the device needs for a batch, decided on the host
+(make_plan, called by the engine's planner), packed into one buffer (pack) and read back on
+the device (unpack), so that this module alone knows the buffer's layout.
 
 Everything the CPU knows about a step (positions, slots, page-table CSR, prompt tokens, n-gram
 drafts) goes into one int32 host buffer that reaches the device in one copy (the executor's
