@@ -47,6 +47,9 @@ class Sequence:
     last_step: int = -1  # the last step that wrote this sequence's KV
     prefill_ids: list[int] = field(default_factory=list)  # prompt (+ output after preemption)
     num_cached: int = 0  # leading tokens of `prefill_ids` found in the prefix cache
+    # the first position whose draft-model KV is not written (steps that skipped the drafter's
+    # refill: Plan.drafter_refill); None: every committed token's is
+    draft_from: int | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -82,6 +85,12 @@ class Plan:
     sampling: SamplingTensors
     top_logprobs: int | None  # top-n logprobs wanted by some request of the batch
     fields: dict[str, list[int]]  # the int32 sections uploaded in one buffer, by name
+    # False: the drafter's refill is skipped (a hybrid step whose every row the host drafted:
+    # its draft model catches up when it next drafts, Drafter.lazy_refill)
+    drafter_refill: bool = True
+    # committed tokens a sequence the draft model runs over before it drafts (the longest
+    # tail of KV it lacks; 0: none lacks any)
+    catch_up: int = 0
 
     @property
     def batch_size(self) -> int:

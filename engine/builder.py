@@ -197,7 +197,7 @@ class Builder:
         allocator = PageAllocator(num_pages, prefixes)
         cache = self.cache_for(model, num_pages)
         history = TokenHistory(config.max_running, max_model_len + 2 * k + 4, self.device)
-        drafter = self.drafter(spec, model, cache, attention, num_pages)
+        drafter = self.drafter(spec, model, cache, attention, num_pages, history)
         stages = DeviceStages(
             history=history,
             insert=insert_kernel(self.device),
@@ -353,6 +353,7 @@ class Builder:
         target_cache: KVCache,
         attention: AttentionBackend,
         num_pages: int,
+        history: TokenHistory,
     ) -> Drafter:
         """The drafter for `spec.method`; its cache shares the target's page ids."""
         rows, sampled = self.config.max_running, spec.sampled_drafts
@@ -379,12 +380,20 @@ class Builder:
                 )
             cache = self.cache_for(model, num_pages)
             follows = self.config.spec.method == "hybrid"  # its rows may be the suffix's
-            graphs = self.graphs(num_pages, model)
-            return DraftModelDrafter(model, cache, attention, rows, sampled, aware, follows, graphs)
-        if spec.method == "hybrid":
-            model_drafter = self.drafter(
-                replace(spec, method=spec.hybrid_head), target, target_cache, attention, num_pages
+            return DraftModelDrafter(
+                model,
+                cache,
+                attention,
+                rows,
+                sampled,
+                aware,
+                follows,
+                self.graphs(num_pages, model),
+                history if follows else None,  # it skips the refills of the suffix's steps
             )
+        if spec.method == "hybrid":
+            half = replace(spec, method=spec.hybrid_head)
+            model_drafter = self.drafter(half, target, target_cache, attention, num_pages, history)
             return HybridDrafter(
                 model_drafter, SuffixDrafter(), spec.hybrid_min_score, spec.num_speculative_tokens
             )

@@ -63,7 +63,7 @@ class Planner:
         except Exception as error:  # noqa: BLE001 - a plan's fault fails requests, not the loop
             self._plan_failed(step, batch, error)
             return self.plan(step)  # at once, without the failed requests
-        self.scheduler.planned(batch, plan.emits)
+        self.scheduler.planned(batch, plan.emits, plan.drafter_refill)
         self.record(
             step,
             "plan",
@@ -89,6 +89,11 @@ class Planner:
             ]
             # no wider a step than its longest drafts
             k = max((k if d is None else len(d) for d in drafts), default=0)
+        refill, catch_up = True, 0
+        if decode and self.drafter.lazy_refill and drafts is not None:
+            # it refills only in the steps it drafts a row of, catching up first
+            refill = any(d is None for d in drafts)
+            catch_up = _lag(batch.seqs) if refill else 0
         return make_plan(
             batch,
             step,
@@ -97,6 +102,8 @@ class Planner:
             self.sampling_tensors(batch.seqs),
             drafts,
             [int(self.no_sync and s.request.inflight > 0) for s in batch.seqs],
+            drafter_refill=refill,
+            catch_up=catch_up,
         )
 
     def _with_grammar(self, seq: Sequence, drafts: list[int], k: int) -> list[int]:
@@ -150,3 +157,8 @@ class Planner:
             return self.k
         caps = [draft_cap(s, self.k) for s in seqs]
         return self.cost.choose([s.request.acceptance.rate for s in seqs], caps)
+
+
+def _lag(seqs: list[Sequence]) -> int:
+    """The most committed tokens a sequence whose draft-model KV is missing."""
+    return max((s.num_tokens - s.draft_from for s in seqs if s.draft_from is not None), default=0)

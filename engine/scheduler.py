@@ -64,12 +64,18 @@ class Scheduler:
         batch = self._schedule_decode(step, lookahead)
         return batch if batch.seqs else None
 
-    def planned(self, batch: Batch, emits: list[bool]) -> None:
+    def planned(self, batch: Batch, emits: list[bool], drafter_refill: bool = True) -> None:
         """The batch's step is planned: its prompt chunks count as prefilled, and the tokens
-        it will emit as pending until they are published."""
+        it will emit as pending until they are published; without the drafter's refill, the
+        draft model lacks their KV from there on (its catch-up, the next step it refills in,
+        writes it)."""
         for seq, chunk, emitting in zip(batch.seqs, batch.chunks, emits, strict=True):
             seq.request.inflight += 1
             seq.num_prefilled += chunk
+            if drafter_refill:
+                seq.draft_from = None
+            elif seq.draft_from is None:
+                seq.draft_from = seq.planned_tokens
             seq.num_pending += int(emitting)
 
     def landed(self, seq: Sequence, emits: bool, emitted: int) -> None:
@@ -191,6 +197,10 @@ class Scheduler:
         self.running.remove(seq)
         if self.prefixes is not None and seq.num_tokens > len(seq.prefill_ids):
             # its prompt has run; the KV of every committed token but the last is written
-            self.prefixes.insert(seq.request.all_ids[: seq.num_tokens - 1], seq.table.pages)
+            # (the draft model's up to draft_from)
+            end = seq.num_tokens - 1
+            if seq.draft_from is not None:
+                end = min(end, seq.draft_from)
+            self.prefixes.insert(seq.request.all_ids[:end], seq.table.pages)
         seq.table.truncate(self.allocator, 0, after_step=max(seq.last_step, step - 1))
         self.free_rows.append(seq.row)

@@ -4,7 +4,9 @@ Its KV lives at the same page ids as the target's. Invariant between steps: the 
 covers every committed token and `deferred[row]` holds its logits for the next position, so
 the first draft token of a step costs no forward. Drafting writes the KV of its own drafts;
 a drafter that `follows_text` (the hybrid's, whose rows another drafter may have drafted)
-instead rewrites every committed token's at refill.
+instead rewrites every committed token's at refill. Given the token history, it also skips
+the refill of the steps it drafts no row of (Drafter.lazy_refill): the KV of their tokens
+is written when it next drafts, in one forward over them (Plan.catch_up), before it drafts.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from models.attention import Attention, AttentionBackend, CausalAttention
 from models.graphs import Forward
 from models.llama import LlamaModel
 from stages.draft import draft_chain, refill_columns
+from stages.history import TokenHistory
 from stages.pack import drafter_metadata
 
 
@@ -37,6 +40,7 @@ class DraftModelDrafter:
         grammar_aware: bool = True,
         follows_text: bool = False,
         graphs: Callable[[Forward], Forward] | None = None,  # models/graphs.py
+        history: TokenHistory | None = None,  # lazy refills read the tokens they lack here
     ):
         self.model = model
         self.run = graphs(self.forward) if graphs is not None else self.forward
@@ -45,6 +49,8 @@ class DraftModelDrafter:
         self.sampled = sampled
         self.grammar_aware = grammar_aware
         self.follows_text = follows_text  # refill over every committed token, whoever drafted
+        self.history = history
+        self.lazy_refill = follows_text and history is not None
         vocab = model.config.vocab_size
         device = model.norm.weight.device
         self.deferred = torch.zeros(max_rows, vocab, device=device)  # [rows, V]
@@ -66,6 +72,8 @@ class DraftModelDrafter:
             slot = dev.tail_slots[:, j + 1 : j + 2]
             return self._forward(dev, None, token[:, None], position, slot), None
 
+        if plan.catch_up:
+            self._catch_up_lag(plan.catch_up, dev)
         logits = self.deferred[dev.rows]
         return draft_chain(plan, dev, logits, None, step, self.sampled, self.grammar_aware)
 
@@ -101,6 +109,20 @@ class DraftModelDrafter:
         slots = pick(dev.tail_slots).gather(1, a + columns)
         self.deferred[pick(dev.rows)] = self._forward(dev, index, ids, positions, slots)
         return ids.shape[1]
+
+    def _catch_up_lag(self, m: int, dev: DevicePlan) -> None:
+        """Run the draft over each sequence's last m committed tokens (positions base - m + 1
+        .. base, their ids from the history) and defer the last one's logits: the KV of the
+        tokens of skipped refills. A sequence that lacks fewer rewrites KV it has (the same
+        tokens at the same positions), one shorter than m repeats its first token (position 0,
+        the same KV written again). Eager: m varies from step to step."""
+        assert self.history is not None
+        positions = (dev.base[:, None] + torch.arange(1 - m, 1, device=dev.base.device)).clamp(0)
+        ids = self.history.tokens[dev.rows[:, None], positions]
+        slots = dev.target_meta.kv_slots.gather(1, positions)
+        small = drafter_metadata(dev, None, positions, slots)
+        (hidden,) = self.forward(ids.flatten(), positions.flatten(), small)
+        self.deferred[dev.rows] = self.model.logits(hidden.view(*ids.shape, -1)[:, -1])
 
     def _follow(self, plan: Plan, dev: DevicePlan, verdict: Verdict) -> int:
         """Run the draft over the step's committed tokens, the accepted drafts and the

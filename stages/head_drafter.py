@@ -37,6 +37,7 @@ Head = EagleHead | Eagle3Head | MTPHead
 
 class HeadDrafter:
     leader_only = False  # the head is sharded with the target
+    lazy_refill = False
 
     def __init__(
         self,

@@ -53,10 +53,13 @@ def make_plan(
     sampling: SamplingTensors,
     host_drafts: list[list[int] | None] | None = None,
     unknown: list[int] | None = None,
+    drafter_refill: bool = True,
+    catch_up: int = 0,
 ) -> Plan:
     """The step's plan: `sampling` holds the batch's parameters; `host_drafts` [B][<= k] come
     from the host (n-gram, suffix; None: a row the device drafts); `unknown` [B] marks
-    decoding sequences whose previous step the host has not seen yet. Changes no state."""
+    decoding sequences whose previous step the host has not seen yet; `drafter_refill` and
+    `catch_up` as Plan's. Changes no state."""
     b = len(batch.seqs)
     if batch.kind == StepKind.PREFILL:
         k, unknown, host_drafts = 0, [0] * b, None
@@ -110,6 +113,8 @@ def make_plan(
         sampling=sampling,
         top_logprobs=top_logprobs,
         fields=fields,
+        drafter_refill=drafter_refill,
+        catch_up=catch_up,
     )
 
 

@@ -185,18 +185,21 @@ def _matches(tree: SuffixTree, context: list[int]) -> Iterator[tuple[int, Node]]
 
 
 class HybridDrafter:
-    """Suffix decoding where it expects to pay, a head (EAGLE or MTP, a chain) elsewhere: per
-    step and per request, the suffix draft when its score (expected tokens accepted) is at
-    least `min_score`, else the head's. A request may choose either half alone
-    (`speculative_method`). The head drafts every row (one batched pass) and the host's drafts
-    replace its own in their rows; its prefill and refill run over every committed token,
-    whoever drafted it, so its state follows the text either way."""
+    """Suffix decoding where it expects to pay, a model elsewhere (the draft model, or an EAGLE
+    or MTP head, a chain): per step and per request, the suffix draft when its score (expected
+    tokens accepted) is at least `min_score`, else the model's. A request may choose either
+    half alone (`speculative_method`). The model drafts every row (one batched pass) and the
+    host's drafts replace its own in their rows; its prefill and refill run over every
+    committed token, whoever drafted it, so its state follows the text either way. A draft
+    model skips the refill of a step it drafts no row of, and catches up when it next drafts
+    (Drafter.lazy_refill): a step the suffix drafts alone costs the target's forward alone."""
 
     def __init__(self, head: Drafter, suffix: SuffixDrafter, min_score: float, max_k: int):
         self.head, self.suffix, self.min_score = head, suffix, min_score
         self.max_k = max_k  # a suffix draft's bound: the cost model's k prices the head
         self.target_layers = head.target_layers
         self.leader_only = head.leader_only
+        self.lazy_refill = head.lazy_refill
 
     def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int] | None] | None:
         """Each row's suffix draft (up to max_k tokens), or None where the head drafts (k:
@@ -233,6 +236,8 @@ class HybridDrafter:
         return dataclasses.replace(drafts, tokens=tokens, probs=probs)
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
+        if not plan.drafter_refill:  # the head drafted no row: it catches up when it does
+            return 0
         return self.head.refill(plan, dev, out, verdict)
 
     def probe(self, num_tokens: int) -> None:

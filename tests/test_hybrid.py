@@ -94,27 +94,58 @@ async def test_a_method_server_takes_its_own_name_and_none(tiny_target):
             engine.submit([1], SamplingParams(speculative_method="suffix"))
 
 
+async def test_the_draft_model_skips_the_suffix_steps_and_catches_up(tiny_target, heads, prompts):
+    """With the draft model as the model half, a step the suffix drafts every row of skips
+    the draft model's refill, and the next step it drafts in first runs it over the tokens it
+    missed; the output is plain decoding's. One request at a time: a batch's every row is
+    rarely the suffix's."""
+    steps: list[tuple[bool, int]] = []  # each decode step's (drafter_refill, catch_up)
+
+    def watch(stage, plan, dev):
+        if stage == "verify" and plan.kind == "decode":
+            steps.append((plan.drafter_refill, plan.catch_up))
+
+    params = dataclasses.replace(GREEDY, max_tokens=48)
+
+    async def serial(config):
+        async with running(config) as engine:
+            outs = [token_ids(await engine.generate(p, params)) for p in prompts[:4]]
+            await engine.wait_idle()
+            assert engine.allocator.num_free == engine.allocator.num_pages
+            return outs
+
+    plain = await serial(make_config(tiny_target))
+    assert await serial(hybrid(tiny_target, heads["draft"], "draft", fault=watch)) == plain
+    assert sum(not refill for refill, _ in steps) >= 3  # the suffix's steps
+    assert sum(catch_up > 0 for _, catch_up in steps) >= 2
+    assert all(refill for refill, catch_up in steps if catch_up)
+
+
 @pytest.mark.parametrize("model", ["eagle", "draft"])
 async def test_the_head_follows_the_text_whoever_drafted_it(tiny_target, heads, model, monkeypatch):
     """The head's (or draft model's) greedy drafts at a position depend on the text before it
     alone: the same with the suffix drafting some steps (hybrid) as with the model drafting
-    every step (a step as wide as its suffix draft holds a prefix of them)."""
+    every step (a step as wide as its suffix draft holds a prefix of them). A draft model
+    drafts nothing in the suffix's steps (its refill skipped, then caught up): it is watched
+    where it drafts."""
     seen: dict[str, dict[int, list[int]]] = {model: {}, "hybrid": {}}
     suffix_steps = []
     propose = HybridDrafter.propose
 
     def watched(self, plan, dev):
-        drafts = self.head.propose(plan, dev)
-        choice = plan.seqs[0].request.params.speculative_method
-        seen[choice][int(dev.base[0])] = drafts.tokens[0].tolist()
         suffix_steps.append(plan.fields["host_drafts"][0] >= 0)
+        if plan.drafter_refill:
+            drafts = self.head.propose(plan, dev)
+            choice = plan.seqs[0].request.params.speculative_method
+            seen[choice][int(dev.base[0])] = drafts.tokens[0].tolist()
         return propose(self, plan, dev)
 
     monkeypatch.setattr(HybridDrafter, "propose", watched)
     prompt = [7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8]
     async with running(hybrid(tiny_target, heads[model], model, min_score=0.2)) as engine:
         for choice in seen:
-            await engine.generate(prompt, dataclasses.replace(GREEDY, speculative_method=choice))
+            params = dataclasses.replace(GREEDY, max_tokens=64, speculative_method=choice)
+            await engine.generate(prompt, params)
     assert sum(suffix_steps) >= 3
     common = seen[model].keys() & seen["hybrid"].keys()
     assert len(common) >= 8

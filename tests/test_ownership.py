@@ -19,6 +19,7 @@ OWNERS = {
     "num_tokens": SCHEDULER,
     "num_pending": SCHEDULER,
     "last_step": SCHEDULER,
+    "draft_from": SCHEDULER,
     "prefill_ids": SCHEDULER,
     "inflight": SCHEDULER,
     "acceptance": SCHEDULER,

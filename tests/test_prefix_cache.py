@@ -202,6 +202,8 @@ DRAFTERS = {  # name: (method, the drafter's directory (None: tiny_draft), SpecC
     "eagle-tree": ("eagle", "eagle", {"tree": "dynamic"}),
     "suffix": ("suffix", None, {}),
     "hybrid": ("hybrid", "eagle", {"hybrid_head": "eagle", "hybrid_min_score": 0.5}),
+    # the draft model skips the suffix's steps: pages it lacks the KV of are not cached
+    "hybrid-draft": ("hybrid", None, {"hybrid_head": "draft", "hybrid_min_score": 0.5}),
 }
 
 

@@ -58,11 +58,11 @@ async def test_a_plan_fault_of_the_step_fails_its_requests_and_the_next_step_run
         faults = []
         make_plan = planner_module.make_plan
 
-        def flaky(batch, step, *args):
+        def flaky(batch, step, *args, **kwargs):
             if step == 4 and not faults:  # the step's fault, whoever is in it
                 faults.append(step)
                 raise RuntimeError("injected plan fault")
-            return make_plan(batch, step, *args)
+            return make_plan(batch, step, *args, **kwargs)
 
         monkeypatch.setattr(planner_module, "make_plan", flaky)
         with caplog.at_level(logging.ERROR, logger="tandem.engine"):
