@@ -384,12 +384,12 @@ class Builder:
                 model,
                 cache,
                 attention,
+                history,
                 rows,
                 sampled,
-                aware,
-                follows,
-                self.graphs(num_pages, model),
-                history if follows else None,  # it skips the refills of the suffix's steps
+                grammar_aware=aware,
+                follows_text=follows,
+                graphs=self.graphs(num_pages, model),
             )
         if spec.method == "hybrid":
             half = replace(spec, method=spec.hybrid_head)

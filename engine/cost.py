@@ -5,11 +5,13 @@ A step with draft length k over B sequences costs about
     time(B, k) = verify(B * (k + 1)) + max(k, 1) * draft(B)
 
 (the drafter's k - 1 chained forwards and its refill, each over B tokens, the refill running
-even at k = 0 so that the drafter keeps up; `verify` includes the target's logits). Both
-curves are measured at start-up by timing the models' forwards at a few token counts (or
-loaded from a calibration file) and interpolated; each batch-size bucket keeps a correction
-factor learned from the steps' measured device time, which brings in what the forwards alone
-miss (attention over the context, sampling, copies).
+even at k = 0 so that the drafter keeps up; `verify` includes the target's logits); k * draft(B)
+for a drafter that skips the refill of a step it drafts nothing in (Drafter.lazy_refill), its
+catch-up when it drafts again left out. Both curves are measured at start-up by timing the
+models' forwards at a few token counts (or loaded from a calibration file) and interpolated;
+each batch-size bucket keeps a correction factor learned from the steps' measured device
+time, which brings in what the forwards alone miss (attention over the context, sampling,
+copies).
 
 Request i, whose drafts are each accepted with probability a_i and which may draft n_i(k) <= k
 tokens, emits in expectation (1 - a_i^(n_i + 1)) / (1 - a_i) tokens a step. The chosen k
@@ -123,6 +125,7 @@ def expected_tokens(rate: float, drafts: int) -> float:
 class CostModel:
     calibration: Calibration
     k_max: int
+    lazy_refill: bool = False  # a step that drafts nothing runs no drafter forward
     # batch bucket -> measured / predicted step time; one factor for every k, so that a noisy
     # step cannot steer the choice between draft lengths, which the curves alone decide
     factors: dict[int, float] = field(default_factory=dict)
@@ -130,7 +133,8 @@ class CostModel:
     def forwards_seconds(self, batch: int, k: int) -> float:
         """The step's model forwards, from the curves alone."""
         cal = self.calibration
-        return cal.verify(batch * (k + 1)) + max(k, 1) * cal.draft(batch)
+        forwards = k if self.lazy_refill else max(k, 1)
+        return cal.verify(batch * (k + 1)) + forwards * cal.draft(batch)
 
     def step_seconds(self, batch: int, k: int) -> float:
         return self.forwards_seconds(batch, k) * self.factors.get(_bucket(batch), 1.0)
@@ -168,7 +172,7 @@ def build_cost_model(
     saved there."""
     saved = Calibration.read(path) if path else None
     if saved is not None:
-        return CostModel(saved, k_max)
+        return CostModel(saved, k_max, drafter.lazy_refill)
     device = target.norm.weight.device
 
     def verify(num_tokens: int) -> None:
@@ -188,7 +192,7 @@ def build_cost_model(
         )
     if path:
         calibration.save(path)
-    return CostModel(calibration, k_max)
+    return CostModel(calibration, k_max, drafter.lazy_refill)
 
 
 def _wait(device: torch.device) -> None:

@@ -90,9 +90,9 @@ class Planner:
             # no wider a step than its longest drafts
             k = max((k if d is None else len(d) for d in drafts), default=0)
         refill, catch_up = True, 0
-        if decode and self.drafter.lazy_refill and drafts is not None:
+        if decode and self.drafter.lazy_refill:
             # it refills only in the steps it drafts a row of, catching up first
-            refill = any(d is None for d in drafts)
+            refill = k > 0 and (drafts is None or any(d is None for d in drafts))
             catch_up = _lag(batch.seqs) if refill else 0
         return make_plan(
             batch,

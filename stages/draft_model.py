@@ -4,9 +4,10 @@ Its KV lives at the same page ids as the target's. Invariant between steps: the 
 covers every committed token and `deferred[row]` holds its logits for the next position, so
 the first draft token of a step costs no forward. Drafting writes the KV of its own drafts;
 a drafter that `follows_text` (the hybrid's, whose rows another drafter may have drafted)
-instead rewrites every committed token's at refill. Given the token history, it also skips
-the refill of the steps it drafts no row of (Drafter.lazy_refill): the KV of their tokens
-is written when it next drafts, in one forward over them (Plan.catch_up), before it drafts.
+instead rewrites every committed token's at refill. It skips the refill of the steps it
+drafts no row of (Drafter.lazy_refill: the cost model's k = 0, or the hybrid's suffix drafted
+every row): the KV of their tokens is written when it next drafts, in one forward over them
+from the token history (Plan.catch_up), before it drafts.
 """
 
 from __future__ import annotations
@@ -29,18 +30,19 @@ from stages.pack import drafter_metadata
 class DraftModelDrafter:
     target_layers: tuple[int, ...] = ()
     leader_only = True  # too small to gain from sharding
+    lazy_refill = True  # its KV needs nothing but the tokens: it catches up from the history
 
     def __init__(
         self,
         model: LlamaModel,
         cache: KVCache,
         attention: AttentionBackend,
+        history: TokenHistory,  # the catch-up reads the tokens it lacks here
         max_rows: int,
         sampled: bool,
         grammar_aware: bool = True,
         follows_text: bool = False,
         graphs: Callable[[Forward], Forward] | None = None,  # models/graphs.py
-        history: TokenHistory | None = None,  # lazy refills read the tokens they lack here
     ):
         self.model = model
         self.run = graphs(self.forward) if graphs is not None else self.forward
@@ -50,7 +52,6 @@ class DraftModelDrafter:
         self.grammar_aware = grammar_aware
         self.follows_text = follows_text  # refill over every committed token, whoever drafted
         self.history = history
-        self.lazy_refill = follows_text and history is not None
         vocab = model.config.vocab_size
         device = model.norm.weight.device
         self.deferred = torch.zeros(max_rows, vocab, device=device)  # [rows, V]
@@ -78,6 +79,8 @@ class DraftModelDrafter:
         return draft_chain(plan, dev, logits, None, step, self.sampled, self.grammar_aware)
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
+        if not plan.drafter_refill:  # it drafted no row: it catches up when it next does
+            return 0
         a = verdict.num_accepted
         if self.follows_text:
             return self._follow(plan, dev, verdict)

@@ -236,8 +236,6 @@ class HybridDrafter:
         return dataclasses.replace(drafts, tokens=tokens, probs=probs)
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
-        if not plan.drafter_refill:  # the head drafted no row: it catches up when it does
-            return 0
         return self.head.refill(plan, dev, out, verdict)
 
     def probe(self, num_tokens: int) -> None:

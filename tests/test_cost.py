@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -59,6 +60,19 @@ def test_acceptance_rate_follows_what_it_sees():
 
 def model(verify: Curve, draft_seconds: float = 0.0, k_max: int = 6) -> CostModel:
     return CostModel(Calibration(verify, Curve([1], [draft_seconds])), k_max)
+
+
+def test_a_lazy_drafters_idle_steps_cost_the_target_alone():
+    """A drafter that runs no forward in a step it drafts nothing in (the hybrid's draft
+    model) makes k = 0 cheaper than a drafter that refills every step: at the same poor
+    acceptance the one drafts a token, the other nothing."""
+    flat = Curve([1, 1024], [0.01, 0.01])
+    eager = model(flat, draft_seconds=0.01)
+    lazy = replace(eager, lazy_refill=True)
+    assert eager.step_seconds(1, 0) == pytest.approx(0.02)
+    assert lazy.step_seconds(1, 0) == pytest.approx(0.01)
+    assert eager.choose([0.3], [6]) == 1
+    assert lazy.choose([0.3], [6]) == 0
 
 
 def test_free_verification_and_good_acceptance_draft_the_most():
@@ -164,14 +178,21 @@ def test_engine_drafts_less_when_drafts_are_rejected(tiny_target, tiny_draft, mo
     """The tiny draft is unrelated to the tiny target (acceptance near 1 / vocab). With fixed
     curves (verify(n) = 10 + 3n ms, a draft token 2 ms) the prior's acceptance makes k = 1 the
     best; once the estimates have seen the rejections, k = 0 is, and its steps fade the
-    estimates back toward the prior. Output stays lossless."""
+    estimates back toward the prior. A k = 0 step runs no draft-model forward (its refill
+    skipped). Output stays lossless."""
     prompts = ragged_prompts(4, 50, seed=1)
     idle = AcceptanceRate.idle
     idled = []
     monkeypatch.setattr(AcceptanceRate, "idle", lambda rate: idled.append(rate) or idle(rate))
+    steps: list[tuple[int, bool]] = []  # each decode step's (k, drafter_refill)
+
+    def watch(stage, plan, dev):
+        if stage == "verify" and plan.kind == "decode":
+            steps.append((plan.k, plan.drafter_refill))
 
     async def main(method):
-        config = make_config(tiny_target, method, tiny_draft, k=4, spec_kw={"adaptive_k": True})
+        spec_kw = {"adaptive_k": True}
+        config = make_config(tiny_target, method, tiny_draft, k=4, spec_kw=spec_kw, fault=watch)
         async with running(config) as engine:
             if engine.cost is not None:
                 engine.cost.calibration = Calibration(
@@ -184,12 +205,14 @@ def test_engine_drafts_less_when_drafts_are_rejected(tiny_target, tiny_draft, mo
 
     plain, _ = asyncio.run(main("none"))
     assert not idled  # no cost model, nothing to fade
+    steps.clear()
     spec, by_k = asyncio.run(main("draft"))
     assert spec == plain
     # k = 1 at the prior, never more; k = 0 once rejections are seen, for a share of the
     # steps that depends on when the staggered requests arrive (new ones start at the prior)
     assert by_k[1] > 0 and by_k[2] + by_k[3] + by_k[4] == 0 and by_k[0] > by_k[1] / 2, by_k
     assert len(idled) >= by_k[0]  # every sequence of every k = 0 decode step
+    assert all(refill == (k > 0) for k, refill in steps)
 
 
 def test_measured_curves_never_fall():

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 
 import pytest
 
 from core.params import SamplingParams
+from engine.planner import Planner
 from engine.trace import Tracer
 from models.eagle import save_eagle_head
 from models.loader import load_model
@@ -94,6 +96,41 @@ async def test_draft_model_accepts_its_own_output(tiny_target):
     # emitted token; the last step may draft only 2 (24 tokens in all), so it feeds the emitted one
     refills = [r["drafter_tokens"] for r in engine.tracer.records if r["stage"] == "refill"]
     assert refills == [0, 2, 2, 2, 2, 1]
+
+
+async def test_a_draft_model_catches_up_exactly_after_steps_without_drafts(
+    tiny_target, prompts, monkeypatch
+):
+    """The target drafting for itself, with no drafts every third step (as the cost model's
+    k = 0): those steps run no draft-model forward, the next step that drafts first runs it
+    over their tokens, and every draft is still accepted, in a batch of rows that missed
+    different numbers of tokens too. Output equals plain decoding."""
+    plain = await one_by_one(tiny_target, prompts[:6])
+    calls = itertools.count()
+    monkeypatch.setattr(Planner, "_draft_length", lambda self, seqs: 4 if next(calls) % 3 else 0)
+    steps: list[tuple[int, bool, int]] = []  # each decode step's (k, drafter_refill, catch_up)
+
+    def watch(stage, plan, dev):
+        if stage == "verify" and plan.kind == "decode":
+            steps.append((plan.k, plan.drafter_refill, plan.catch_up))
+
+    config = make_config(tiny_target, "draft", tiny_target, k=4, fault=watch)
+    async with running(config) as engine:
+        alone = await engine.generate(prompts[0], GREEDY)
+        together = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts[:6]))
+        await engine.wait_idle()
+        assert engine.allocator.num_free == engine.allocator.num_pages
+    assert [token_ids(d) for d in together] == plain
+    for deltas in [alone, *together]:
+        usage = deltas[-1].usage
+        assert usage.draft_tokens > 0 and usage.accepted_tokens == usage.draft_tokens
+    assert all(refill == (k > 0) for k, refill, _ in steps)
+    assert sum(catch_up > 0 for *_, catch_up in steps) >= 3
+
+
+async def one_by_one(target, prompts) -> list[list[int]]:
+    async with running(make_config(target)) as engine:
+        return [token_ids(await engine.generate(p, GREEDY)) for p in prompts]
 
 
 async def test_per_request_k_and_max_tokens_are_respected(tiny_target, tiny_draft):
