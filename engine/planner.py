@@ -25,6 +25,10 @@ from stages.pack import draft_cap, make_plan, pack
 
 log = logging.getLogger("tandem.engine")
 
+# the most committed tokens a draft model lets pass without its refill: its catch-up is one
+# forward of at most this many tokens a sequence (plus a step's), however long it idles
+MAX_LAG = 32
+
 
 class Planner:
     def __init__(
@@ -91,9 +95,12 @@ class Planner:
             k = max((k if d is None else len(d) for d in drafts), default=0)
         refill, catch_up = True, 0
         if decode and self.drafter.lazy_refill:
-            # it refills only in the steps it drafts a row of, catching up first
-            refill = k > 0 and (drafts is None or any(d is None for d in drafts))
-            catch_up = _lag(batch.seqs) if refill else 0
+            # it refills only in the steps it drafts a row of, or once a sequence lacks
+            # MAX_LAG tokens, catching up first
+            lag = _lag(batch.seqs)
+            drafting = k > 0 and (drafts is None or any(d is None for d in drafts))
+            refill = drafting or lag >= MAX_LAG
+            catch_up = lag if refill else 0
         return make_plan(
             batch,
             step,

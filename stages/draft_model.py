@@ -52,6 +52,7 @@ class DraftModelDrafter:
         self.grammar_aware = grammar_aware
         self.follows_text = follows_text  # refill over every committed token, whoever drafted
         self.history = history
+        self._caught_up = -1  # the last step whose catch-up ran
         vocab = model.config.vocab_size
         device = model.norm.weight.device
         self.deferred = torch.zeros(max_rows, vocab, device=device)  # [rows, V]
@@ -73,14 +74,14 @@ class DraftModelDrafter:
             slot = dev.tail_slots[:, j + 1 : j + 2]
             return self._forward(dev, None, token[:, None], position, slot), None
 
-        if plan.catch_up:
-            self._catch_up_lag(plan.catch_up, dev)
+        self._catch_up_lag(plan, dev)
         logits = self.deferred[dev.rows]
         return draft_chain(plan, dev, logits, None, step, self.sampled, self.grammar_aware)
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
         if not plan.drafter_refill:  # it drafted no row: it catches up when it next does
             return 0
+        self._catch_up_lag(plan, dev)  # a step it refills in without drafting
         a = verdict.num_accepted
         if self.follows_text:
             return self._follow(plan, dev, verdict)
@@ -113,13 +114,17 @@ class DraftModelDrafter:
         self.deferred[pick(dev.rows)] = self._forward(dev, index, ids, positions, slots)
         return ids.shape[1]
 
-    def _catch_up_lag(self, m: int, dev: DevicePlan) -> None:
-        """Run the draft over each sequence's last m committed tokens (positions base - m + 1
-        .. base, their ids from the history) and defer the last one's logits: the KV of the
-        tokens of skipped refills. A sequence that lacks fewer rewrites KV it has (the same
-        tokens at the same positions), one shorter than m repeats its first token (position 0,
-        the same KV written again). Eager: m varies from step to step."""
-        assert self.history is not None
+    def _catch_up_lag(self, plan: Plan, dev: DevicePlan) -> None:
+        """Once a step, before it drafts or refills: run the draft over each sequence's last
+        m = plan.catch_up committed tokens (positions base - m + 1 .. base, their ids from the
+        history) and defer the last one's logits: the KV of the tokens of skipped refills. A
+        sequence that lacks fewer rewrites KV it has (the same tokens at the same positions),
+        one shorter than m repeats its first token (position 0, the same KV written again).
+        Eager: m varies from step to step."""
+        m = plan.catch_up
+        if not m or self._caught_up == plan.step:
+            return
+        self._caught_up = plan.step
         positions = (dev.base[:, None] + torch.arange(1 - m, 1, device=dev.base.device)).clamp(0)
         ids = self.history.tokens[dev.rows[:, None], positions]
         slots = dev.target_meta.kv_slots.gather(1, positions)
