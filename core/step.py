@@ -85,11 +85,11 @@ class Plan:
     sampling: SamplingTensors
     top_logprobs: int | None  # top-n logprobs wanted by some request of the batch
     fields: dict[str, list[int]]  # the int32 sections uploaded in one buffer, by name
-    # False: the drafter's refill is skipped (a hybrid step whose every row the host drafted:
-    # its draft model catches up when it next drafts, Drafter.lazy_refill)
+    # False: the drafter's refill is skipped, a lazy drafter's step that drafts no row (k = 0,
+    # or a hybrid's rows all drafted by the suffix); it catches up later (Drafter.lazy_refill)
     drafter_refill: bool = True
-    # committed tokens a sequence the draft model runs over before it drafts (the longest
-    # tail of KV it lacks; 0: none lacks any)
+    # committed tokens a sequence the draft model runs over before it drafts or refills (the
+    # longest tail of KV a sequence lacks; 0: none lacks any)
     catch_up: int = 0
 
     @property

@@ -97,7 +97,7 @@ class Planner:
         if decode and self.drafter.lazy_refill:
             # it refills only in the steps it drafts a row of, or once a sequence lacks
             # MAX_LAG tokens, catching up first
-            lag = _lag(batch.seqs)
+            lag = self._lag(batch.seqs)
             drafting = k > 0 and (drafts is None or any(d is None for d in drafts))
             refill = drafting or lag >= MAX_LAG
             catch_up = lag if refill else 0
@@ -159,13 +159,14 @@ class Planner:
         self._sampling = (requests, tensors)
         return tensors
 
+    @staticmethod
+    def _lag(seqs: list[Sequence]) -> int:
+        """The most committed tokens a sequence lacks the draft model's KV of."""
+        lags = [s.num_tokens - s.draft_from for s in seqs if s.draft_from is not None]
+        return max(lags, default=0)
+
     def _draft_length(self, seqs: list[Sequence]) -> int:
         if self.cost is None:
             return self.k
         caps = [draft_cap(s, self.k) for s in seqs]
         return self.cost.choose([s.request.acceptance.rate for s in seqs], caps)
-
-
-def _lag(seqs: list[Sequence]) -> int:
-    """The most committed tokens a sequence whose draft-model KV is missing."""
-    return max((s.num_tokens - s.draft_from for s in seqs if s.draft_from is not None), default=0)
