@@ -126,9 +126,10 @@ class Drafter(Protocol):
     # under tensor parallelism: it runs on the leader rank only, whose drafts the step's
     # broadcast carries (a draft model); else every rank drafts with its slice of the head
     leader_only: bool
-    # a step whose every row the host drafted skips `refill`, and `propose` first runs over
-    # the committed tokens whose KV it lacks (Plan.catch_up): a drafter that reads nothing
-    # but tokens (a draft model) can, a head (it reads the target's features) cannot
+    # a step it drafts no row of (k = 0, or every row drafted on the host) skips `refill`
+    # (Plan.drafter_refill), and its next `propose` or `refill` first runs over the committed
+    # tokens whose KV it lacks (Plan.catch_up): a drafter that reads nothing but tokens (a
+    # draft model) can, a head (it reads the target's features) cannot
     lazy_refill: bool
 
     def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int] | None] | None: ...

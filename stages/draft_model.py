@@ -6,8 +6,9 @@ the first draft token of a step costs no forward. Drafting writes the KV of its 
 a drafter that `follows_text` (the hybrid's, whose rows another drafter may have drafted)
 instead rewrites every committed token's at refill. It skips the refill of the steps it
 drafts no row of (Drafter.lazy_refill: the cost model's k = 0, or the hybrid's suffix drafted
-every row): the KV of their tokens is written when it next drafts, in one forward over them
-from the token history (Plan.catch_up), before it drafts.
+every row): the KV of their tokens is written in one forward over them, their ids from the
+token history (Plan.catch_up), before it next drafts, or refills once a sequence lacks
+MAX_LAG tokens (engine/planner.py).
 """
 
 from __future__ import annotations
