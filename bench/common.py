@@ -93,7 +93,7 @@ def forward_call(
     last_logits: bool = False,
     kv_dtype: torch.dtype = torch.float32,
 ) -> Callable[[], object]:
-    """One forward plus logits of `module` over q_len tokens a sequence for `batch` sequences
+    """One forward plus logits of `module` over q_len tokens per sequence for `batch` sequences
     with `context` tokens of KV each, ready to call: logits of every token, or (last_logits)
     of each sequence's last. A LlamaModel reads token ids; a head also reads the target's
     hidden states (random here: the cost is the same)."""

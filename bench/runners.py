@@ -9,7 +9,7 @@ forwards are timed alone at the cell's shapes and the context length seen (mean 
 half the new tokens). A step's forwards (`step_forwards`), in the order the engine runs them:
 its drafting forwards (a chain's k - 1 of one token, the first draft coming from the deferred
 logits; a tree's one a level over the nodes it expands, `tree_levels`), the target's verify
-forward over the step's width, and the drafter's refill forward over the tokens a sequence it
+forward over the step's width, and the drafter's refill forward over the tokens per sequence it
 ran (the step timeline's `drafter_tokens`: the draft model's 1 or 2, an EAGLE or MTP head's
 accepted drafts and emitted token).
 
@@ -43,7 +43,6 @@ from core.request import FinishReason
 from engine.config import EngineConfig, SpecConfig
 from engine.device import Stream
 from engine.engine import AsyncEngine
-from engine.trace import Tracer
 from stages.draft import NoDrafter
 
 ENGINE_METHODS = ("none", "draft", "ngram", "eagle-chain", "eagle-fixed", "eagle-dynamic",
@@ -67,7 +66,7 @@ class Sample:
     gaps: list[float] = field(default_factory=list)  # per token after the first, seconds
     steps: list[float] = field(default_factory=list)  # full-batch decode step times, seconds
     widths: list[float] = field(default_factory=list)  # verify tokens per sequence, per step
-    refills: list[int] = field(default_factory=list)  # the refill forward's tokens a sequence
+    refills: list[int] = field(default_factory=list)  # the refill forward's tokens per sequence
     spec_steps: int = 0  # per request, verify steps that speculated (summed)
     draft_tokens: int = 0
     accepted: int = 0
@@ -99,7 +98,7 @@ class EngineRunner:
             self.engine = AsyncEngine(config)
         except Exception as error:  # a drafter that is not built or not trained fails loudly
             raise MethodUnavailable(f"{method}: {type(error).__name__}: {error}") from error
-        self.engine.tracer = Tracer(keep=TRACE_KEEP)  # the step timeline, in memory
+        self.engine.tracer.keep(TRACE_KEEP)  # the step timeline, in memory
         self.draft_module = drafter_module(method, self.engine.drafter)
 
     async def start(self) -> None:
@@ -199,7 +198,7 @@ KINDS = ("draft", "verify", "refill")  # a step's forwards, in the engine's orde
 
 
 def step_forwards(width: int, refill: int, levels: list[int] | None) -> list[tuple[str, int]]:
-    """A decode step's forwards in the engine's order, as (kind, tokens a sequence): the
+    """A decode step's forwards in the engine's order, as (kind, tokens per sequence): the
     drafting forwards (a chain's k - 1 = width - 2 of one token, a tree's levels; none for a
     step that drafted nothing), the verify forward, the refill's."""
     drafting = (levels if levels is not None else [1] * (width - 2)) if width > 1 else []

@@ -88,7 +88,7 @@ class Plan:
     # False: the drafter's refill is skipped, a lazy drafter's step that drafts no row (k = 0,
     # or a hybrid's rows all drafted by the suffix); it catches up later (Drafter.lazy_refill)
     drafter_refill: bool = True
-    # committed tokens a sequence the draft model runs over before it drafts or refills (the
+    # committed tokens per sequence the draft model runs over before it drafts or refills (the
     # longest tail of KV a sequence lacks; 0: none lacks any)
     catch_up: int = 0
 

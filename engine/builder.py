@@ -416,7 +416,7 @@ class Builder:
             # scratch slots past the engine's pages, where each row's tree nodes keep their
             # head KV while the tree is drafted
             page_size = self.config.kv.page_size
-            scratch_pages = rows * -(-shape.scratch_size // page_size)  # whole pages a row
+            scratch_pages = rows * -(-shape.scratch_size // page_size)  # whole pages per row
             cache = self.cache_for(head, num_pages + scratch_pages)
             start = num_pages * page_size
             return TreeDrafter(

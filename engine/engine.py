@@ -24,7 +24,6 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -34,7 +33,7 @@ from core.step import Plan, StepKind
 from engine.builder import Builder
 from engine.config import EngineConfig
 from engine.device import Event, run_on_device
-from engine.executor import Executor, Packed, StepRun
+from engine.executor import Executor, StepRun
 from engine.grammar_compiler import Grammars
 from engine.metrics import EngineMetrics
 from engine.parallel import Group
@@ -43,6 +42,7 @@ from engine.publish import Publisher, RequestStream
 from engine.supervisor import Supervisor
 from engine.trace import Tracer
 from models.shard import traffic
+from stages.pack import Packed
 
 log = logging.getLogger("tandem.engine")
 
@@ -72,6 +72,7 @@ class AsyncEngine:
         self.metrics = EngineMetrics(self.k)
         self.metrics.collect = self._update_gauges  # gauges are read when rendered
         self.tracer = Tracer(config.trace_file, rank=None if group is None else group.rank)
+        self._wake = asyncio.Event()  # news for the plan loop: a request came or ended
         if group is not None:
             self.metrics.world_size.set(group.size)
         for kind, size in built.memory.items():
@@ -91,7 +92,7 @@ class AsyncEngine:
             self.scheduler,
             self.metrics,
             self.cost,
-            ended=self._wake_planner,
+            ended=self._wake.set,
         )
         self.outputs = self.publisher.outputs  # live requests, by id
         self.supervisor = Supervisor(
@@ -110,15 +111,15 @@ class AsyncEngine:
             vocab_size=self.vocab_size,
             device=self.device,
             no_sync=self.no_sync,
-            record=self._record,
+            record=self.tracer.record,
             fail=self.publisher.fail,
             step_failed=self.supervisor.count_failure,
-            spell=self._spell,
+            spell=functools.partial(self.tokenizer.encode, add_special_tokens=False),
         )
         self.executor = Executor(
             device=self.device,
             stages=self.stages,
-            record=self._record,
+            record=self.tracer.record,
             debug=config.debug,
             group=group,
         )
@@ -138,7 +139,6 @@ class AsyncEngine:
     # ---- the public interface ----
 
     async def start(self) -> None:
-        self._wake = asyncio.Event()
         self._published = -1  # the last step whose tokens reached the requests
         self._publishes = asyncio.Event()  # set at each publish
         self._completed: dict[int, StepRun] = {}  # steps whose pages wait for their device work
@@ -298,15 +298,6 @@ class AsyncEngine:
             return
         self._wake.clear()
         await self._wake.wait()
-
-    def _spell(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def _wake_planner(self) -> None:
-        self._wake.set()
-
-    def _record(self, *args: Any, **fields: Any) -> None:
-        self.tracer.record(*args, **fields)  # the tracer may be replaced (tests, benchmarks)
 
     def _plan(self, step: int) -> tuple[Plan, Packed] | None:
         """The step's plan (engine/planner.py), once the pages of the steps that ended are

@@ -24,9 +24,8 @@ from engine.config import DebugConfig
 from engine.device import Event, Stream
 from engine.parallel import Group
 from stages.insert import next_tokens
-from stages.pack import FIELDS, unpack
+from stages.pack import FIELDS, Packed, unpack
 
-Packed = tuple[list[int], dict[str, int]]  # stages.pack.pack: the flat buffer, section sizes
 Record = Callable[..., None]  # Tracer.record's signature
 
 
@@ -50,7 +49,7 @@ class StepRun:
 
     plan: Plan
     sampled: Event  # value: Sampled
-    done: Event  # value: the drafter's refill tokens a sequence
+    done: Event  # value: how many tokens per sequence the drafter's refill ran over
     time: DeviceTime  # complete once `done` is
 
 
@@ -197,7 +196,7 @@ class Executor:
     ) -> int:
         with self._stage(plan, time, "refill", first.dev, start) as fields:
             tokens = self.stages.refiller(plan, first.dev, first.out, first.verdict)
-            fields["drafter_tokens"] = tokens  # the drafter's refill forward: tokens a sequence
+            fields["drafter_tokens"] = tokens  # the drafter's refill forward: tokens per sequence
         return tokens
 
     # ---- a follower rank (tensor parallelism) ----

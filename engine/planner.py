@@ -17,16 +17,15 @@ from core.params import SamplingTensors
 from core.request import Request
 from core.step import Batch, Plan, Sequence, StepKind
 from engine.cost import CostModel
-from engine.executor import Packed
 from engine.scheduler import Scheduler
 from stages.draft import Drafter
 from stages.grammar import host_drafts
-from stages.pack import draft_cap, make_plan, pack
+from stages.pack import Packed, draft_cap, make_plan, pack
 
 log = logging.getLogger("tandem.engine")
 
 # the most committed tokens a draft model lets pass without its refill: its catch-up is one
-# forward of at most this many tokens a sequence (plus a step's), however long it idles
+# forward of at most this many tokens per sequence (plus a step's), however long it idles
 MAX_LAG = 32
 
 
@@ -161,7 +160,7 @@ class Planner:
 
     @staticmethod
     def _lag(seqs: list[Sequence]) -> int:
-        """The most committed tokens a sequence lacks the draft model's KV of."""
+        """How many committed tokens the draft model's KV lacks, at most over `seqs`."""
         lags = [s.num_tokens - s.draft_from for s in seqs if s.draft_from is not None]
         return max(lags, default=0)
 

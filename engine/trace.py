@@ -5,7 +5,7 @@ to a Chrome trace that Perfetto opens.
 
 A record holds `step`, `stage` (plan/draft/verify/sample/refill), `start` and `end` in
 `time.perf_counter()` seconds, and whatever the engine adds (`batch_size`, `num_tokens`,
-`accepted`, `k`, the refill's `drafter_tokens`: tokens a sequence the drafter's refill forward
+`accepted`, `k`, the refill's `drafter_tokens`: tokens per sequence the drafter's refill forward
 ran over, ...). In the Chrome trace, host stages and device stages sit on two tracks, so
 a plan hidden behind device work shows as overlap.
 """
@@ -79,6 +79,11 @@ class Tracer:
             self._log.info("span", **event)
         if self.records is not None:
             self.records.append(event)
+
+    def keep(self, count: int) -> None:
+        """From now on, also keep the `count` most recent records in memory (`records`)."""
+        self.records = deque(maxlen=count)
+        self.enabled = True
 
     def close(self) -> None:
         if self._file is not None:

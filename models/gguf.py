@@ -327,7 +327,7 @@ def _read(t: Tensor, cfg: LlamaConfig, alone: bool) -> Codes | Packed | None:
     if alone and native.quant_path() != "torch":
         return packed_rows(t.read, t.rows, t.tensor_type, inputs)
     heads = _heads_of(_our_name(t.name), cfg)
-    raw = t.data  # [outputs, bytes a row]
+    raw = t.data  # [outputs, bytes per row]
     return codes_of(_unpermute(raw, heads) if heads else raw, t.tensor_type, inputs)
 
 

@@ -61,11 +61,11 @@ class Tensor:
 
     @property
     def data(self) -> np.ndarray:
-        """The bytes [rows, bytes a row], read now."""
+        """The bytes [rows, bytes per row], read now."""
         return self.read(0, self.rows)
 
     def read(self, start: int, stop: int) -> np.ndarray:
-        """Rows start..stop - 1's bytes [stop - start, bytes a row], read now."""
+        """Rows start..stop - 1's bytes [stop - start, bytes per row], read now."""
         stop = min(stop, self.rows)
         row = self.nbytes // self.rows
         count = (stop - start) * row

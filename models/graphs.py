@@ -2,7 +2,7 @@
 
 A decode step's forward has the same shapes step after step but for the number of sequences
 and the keys each attends to. Both are bucketed here (sequences up to a bucket of
-BATCH_BUCKETS, keys up to a power of two from MIN_KEYS); each bucket, with its rows a sequence
+BATCH_BUCKETS, keys up to a power of two from MIN_KEYS); each bucket, with its rows per sequence
 and whether a tree mask replaces the causal rule, has buffers of its own, into which a step
 copies its inputs and metadata. Rows past the step's sequences write their keys and values to
 a scratch slot no page holds and see that one key; keys past a sequence's own are masked by

@@ -123,7 +123,7 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def codes_of(raw: np.ndarray, kind: GGML, inputs: int) -> Codes:
-    """A GGUF tensor's bytes [O, bytes a row] of a type in CODE_TYPES as Codes."""
+    """A GGUF tensor's bytes [O, bytes per row] of a type in CODE_TYPES as Codes."""
     rows = raw.shape[0]
     super_block = kind in (GGML.Q4_K, GGML.Q6_K)
     blocks = raw.reshape(rows, inputs // (256 if super_block else QK), -1)

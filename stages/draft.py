@@ -118,7 +118,7 @@ class Drafter(Protocol):
     `prefill` sees a prefill step: it writes the drafter's KV for the prompt chunk and defers
     its outputs for the first decode. `propose` drafts from the deferred outputs, so its first
     token costs no forward. `refill` runs after sampling: it brings the drafter's KV up to the
-    committed tokens and defers its next outputs; it returns how many tokens a sequence its
+    committed tokens and defers its next outputs; it returns how many tokens per sequence its
     forward ran over (0: none), which the step timeline records.
     """
 

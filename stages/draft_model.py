@@ -102,7 +102,8 @@ class DraftModelDrafter:
     def _catch_up(self, dev, index, last_input, verdict, accepted) -> int:
         """Run the draft over the emitted token (position base + a + 1), after the last accepted
         input (position base + a) when given: for a sequence whose input there already has its
-        KV, rewriting it is harmless and keeps shapes fixed. Returns the tokens a sequence."""
+        KV, rewriting it is harmless and keeps shapes fixed. Returns how many tokens per sequence
+        it ran over."""
         pick = (lambda t: t) if index is None else (lambda t: t[index])
         a = accepted[:, None]
         ids = pick(verdict.tokens).gather(1, a)  # [E, 1] the emitted token

@@ -19,6 +19,7 @@ from core.step import Batch, DevicePlan, Plan, Sequence, StepKind
 from kv.table import build_csr
 from models.attention import paged_metadata
 
+Packed = tuple[list[int], dict[str, int]]  # pack's: the flat buffer, each section's length
 # the plan's int32 sections, in the order make_plan writes them (engine/parallel.py sends
 # their sizes in this order)
 FIELDS = (
@@ -217,7 +218,7 @@ def drafter_metadata(
     )
 
 
-def pack(sections: dict[str, list[int]]) -> tuple[list[int], dict[str, int]]:
+def pack(sections: dict[str, list[int]]) -> Packed:
     """One flat int list: the sections one after another; and each section's length."""
     flat: list[int] = []
     for values in sections.values():

@@ -10,7 +10,6 @@ import transformers
 from core.params import SamplingParams
 from engine.builder import DEMO_DIR
 from engine.config import EngineConfig, KVConfig, SpecConfig
-from engine.trace import Tracer
 from models.loader import load_model
 from tests.engine_util import heldout, running, token_ids
 from tests.paged import PagedRunner
@@ -88,7 +87,7 @@ async def test_head_refill_runs_over_the_accepted_drafts_and_the_emitted_token(m
     )
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     async with running(config) as engine:
-        engine.tracer = Tracer(keep=1000)
+        engine.tracer.keep(1000)
         usage = (await engine.generate(heldout(1)[0], params))[-1].usage
     refills = [r["drafter_tokens"] for r in engine.tracer.records if r["stage"] == "refill"]
     assert refills[0] == 0  # the prefill's

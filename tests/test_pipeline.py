@@ -7,7 +7,7 @@ import json
 
 from core.params import SamplingParams
 from engine.engine import AsyncEngine
-from engine.trace import Tracer, main
+from engine.trace import main
 from tests.engine_util import make_config, ragged_prompts
 
 DEVICE_STAGES = ("upload", "draft", "verify", "sample", "refill")
@@ -15,7 +15,7 @@ DEVICE_STAGES = ("upload", "draft", "verify", "sample", "refill")
 
 async def traced_run(config, prompts) -> list[dict]:
     engine = AsyncEngine(config)
-    engine.tracer = Tracer(config.trace_file, keep=100_000)
+    engine.tracer.keep(100_000)
     await engine.start()
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     await asyncio.gather(*(engine.generate(p, params) for p in prompts))

@@ -11,7 +11,6 @@ import pytest
 import engine.planner as planner_module
 from core.params import SamplingParams
 from engine.planner import Planner
-from engine.trace import Tracer
 from models.eagle import save_eagle_head
 from models.loader import load_model
 from models.mtp import save_mtp_head
@@ -88,7 +87,7 @@ async def test_draft_model_accepts_its_own_output(tiny_target):
     """The target drafting for itself is always right: every draft token is accepted."""
     config = make_config(tiny_target, "draft", tiny_target, k=4)
     async with running(config) as engine:
-        engine.tracer = Tracer(keep=1000)
+        engine.tracer.keep(1000)
         deltas = await engine.generate([3, 4, 5], GREEDY)
     usage = deltas[-1].usage
     assert usage.draft_tokens > 0 and usage.accepted_tokens == usage.draft_tokens
