@@ -566,6 +566,16 @@ def usage_body(u: Usage) -> JSON:
             "accepted_tokens": u.accepted_tokens,
             "steps": u.spec_steps,
             "forced_tokens": u.forced_tokens,
+            **(
+                {
+                    "by_drafter": {
+                        name: {"draft_tokens": drafted, "accepted_tokens": accepted}
+                        for name, (drafted, accepted) in u.by_drafter.items()
+                    }
+                }
+                if u.by_drafter
+                else {}
+            ),
         },
     }
 

@@ -11,6 +11,10 @@ from core.params import SamplingParams
 PRIOR_RATE = 0.6  # acceptance assumed for a new request: near what the demo pair accepts
 PRIOR_WEIGHT = 4.0  # ... worth this many drafted positions
 FORGET = 0.95  # per step: recent steps count more (acceptance drifts with the text)
+# a lookup's drafts (n-gram, suffix) hold while the text repeats and fail at once where it
+# stops: their estimates forget fast, so that a drafter at zero acceptance is dropped within
+# a few steps (and, fading back toward the prior while idle, tried again later)
+FREE_FORGET = 0.5
 
 
 class FinishReason(enum.StrEnum):
@@ -48,19 +52,21 @@ class AcceptanceRate:
 
     accepted: float = PRIOR_RATE * PRIOR_WEIGHT
     trials: float = PRIOR_WEIGHT
+    forget: float = FORGET
 
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
             return
-        self.accepted = FORGET * self.accepted + accepted
-        self.trials = FORGET * self.trials + accepted + (accepted < drafted)
+        self.accepted = self.forget * self.accepted + accepted
+        self.trials = self.forget * self.trials + accepted + (accepted < drafted)
 
     def idle(self) -> None:
         """A step that drafted nothing: the evidence fades toward the prior's, by FORGET.
         Without it a low estimate would turn drafting off for good, since only drafting
         shows it otherwise."""
-        self.accepted = FORGET * self.accepted + (1 - FORGET) * PRIOR_RATE * PRIOR_WEIGHT
-        self.trials = FORGET * self.trials + (1 - FORGET) * PRIOR_WEIGHT
+        keep = self.forget
+        self.accepted = keep * self.accepted + (1 - keep) * PRIOR_RATE * PRIOR_WEIGHT
+        self.trials = keep * self.trials + (1 - keep) * PRIOR_WEIGHT
 
     @property
     def rate(self) -> float:
@@ -81,6 +87,8 @@ class Usage:
     draft_tokens: int = 0  # draft tokens proposed for this request
     accepted_tokens: int = 0  # of those, accepted by the target
     spec_steps: int = 0  # verify steps that speculated
+    # --speculative auto: (draft tokens, accepted) by the drafter that proposed them
+    by_drafter: dict[str, list[int]] = field(default_factory=dict)
     # tokens the request's grammar forced (the only one it allowed): completion tokens, and
     # counted neither as drafted nor as accepted, though drafted for free where a step drafted
     forced_tokens: int = 0
@@ -117,6 +125,9 @@ class Request:
     finish_reason: FinishReason | None = None
     inflight: int = 0  # scheduled steps whose tokens are not yet known on the host
     acceptance: AcceptanceRate = field(default_factory=AcceptanceRate)  # for the cost model
+    # --speculative auto: the acceptance of each drafter with no model (n-gram, suffix) for
+    # this request, by name; the model's is `acceptance`
+    free_rates: dict[str, AcceptanceRate] = field(default_factory=dict)
     matcher: Matcher | None = None  # structured output: the grammar after the committed tokens
 
     @property

@@ -91,6 +91,9 @@ class Plan:
     # committed tokens per sequence the draft model runs over before it drafts or refills (the
     # longest tail of KV a sequence lacks; 0: none lacks any)
     catch_up: int = 0
+    # [B] the drafter of each sequence's drafts this step, where a policy chose among several
+    # (--speculative auto: "model", "ngram", "suffix", "" for none); None: the one drafter
+    drafted_by: list[str] | None = None
 
     @property
     def batch_size(self) -> int:

@@ -50,6 +50,7 @@ from stages.draft_model import DraftModelDrafter
 from stages.head_drafter import Head, HeadDrafter
 from stages.history import TokenHistory
 from stages.insert import insert_kernel
+from stages.policy import PolicyDrafter, Prices
 from stages.refill import RefillStage
 from stages.sample import SampleStage
 from stages.suffix import HybridDrafter, SuffixDrafter
@@ -111,6 +112,17 @@ def draft_model_path(model: str) -> Path:
     if model in PAIRS:
         return fetched(PAIRS[model][1], cache_dir() / "models")
     return DEMO_DIR / "draft"
+
+
+def policy_prices(cost: CostModel | None) -> Prices:
+    """The seconds of a one-row step by what it verifies, from the cost model's curves; with a
+    fixed k (no cost model), every option the same: drafts whenever they give tokens."""
+    if cost is None:
+        return Prices(free=lambda n: 1.0, model=lambda k: 1.0)
+    return Prices(
+        free=lambda n: cost.step_seconds(1, n, drafted=False),
+        model=lambda k: cost.step_seconds(1, k),
+    )
 
 
 def _flashinfer(device: torch.device) -> AttentionBackend:
@@ -198,6 +210,20 @@ class Builder:
         cache = self.cache_for(model, num_pages)
         history = TokenHistory(config.max_running, max_model_len + 2 * k + 4, self.device)
         drafter = self.drafter(spec, model, cache, attention, num_pages, history)
+        release_freed_memory()  # loading's temporaries, before the engine settles
+        cost = None
+        # the cost model times forwards on the leader alone: under tensor parallelism k is fixed
+        if spec.enabled and spec.picks_k and self.group is None:
+            path = spec.calibration or str(self._calibration_cache(model_dir))
+            cost = build_cost_model(model, drafter, config.max_running, k, path)
+        if spec.method == "auto":
+            drafter = PolicyDrafter(
+                drafter if spec.drafting_model != "none" else None,
+                SuffixDrafter(),
+                (spec.ngram_min, spec.ngram_max),
+                spec.num_speculative_tokens,
+                policy_prices(cost),
+            )
         stages = DeviceStages(
             history=history,
             insert=insert_kernel(self.device),
@@ -221,12 +247,6 @@ class Builder:
             lookahead,
             max_model_len,
         )
-        release_freed_memory()  # loading's temporaries, before the engine settles
-        cost = None
-        # the cost model times forwards on the leader alone: under tensor parallelism k is fixed
-        if spec.enabled and spec.picks_k and self.group is None:
-            path = spec.calibration or str(self._calibration_cache(model_dir))
-            cost = build_cost_model(model, drafter, config.max_running, k, path)
         return Built(
             model=model,
             tokenizer=self.tokenizer,
@@ -369,27 +389,17 @@ class Builder:
         if spec.method == "draft" and self.group is not None and not self.group.leader:
             return LeaderDrafts()  # the draft model runs on the leader only
         if spec.method == "draft":
-            directory = Path(spec.draft) if spec.draft else draft_model_path(self.config.model)
-            model = load_model(directory, self.dtype, self.device, quantized=self.config.quantized)
-            self._draft_vocab(model, directory)
-            self.prepare(model)
-            if model.config.vocab_size != target.config.vocab_size:
-                raise ValueError(
-                    f"the draft model's vocabulary ({model.config.vocab_size}) differs from the "
-                    f"target's ({target.config.vocab_size})"
-                )
-            cache = self.cache_for(model, num_pages)
-            follows = self.config.spec.method == "hybrid"  # its rows may be the suffix's
-            return DraftModelDrafter(
-                model,
-                cache,
+            return self._draft_model(spec, target, attention, num_pages, history)
+        if spec.method == "auto":  # its model (PolicyDrafter adds the free drafters)
+            if spec.drafting_model == "none":
+                return NoDrafter()
+            return self.drafter(
+                replace(spec, method=spec.drafting_model),
+                target,
+                target_cache,
                 attention,
+                num_pages,
                 history,
-                rows,
-                sampled,
-                grammar_aware=aware,
-                follows_text=follows,
-                graphs=self.graphs(num_pages, model),
             )
         if spec.method == "hybrid":
             half = replace(spec, method=spec.hybrid_head)
@@ -433,6 +443,37 @@ class Builder:
         scratch = num_pages * self.config.kv.page_size  # the page cache_for adds
         capture = self.device.type == "cuda"
         return partial(GraphedForward, device=self.device, scratch_slot=scratch, capture=capture)
+
+    def _draft_model(
+        self,
+        spec: SpecConfig,
+        target: LlamaModel,
+        attention: AttentionBackend,
+        num_pages: int,
+        history: TokenHistory,
+    ) -> DraftModelDrafter:
+        """The draft model --draft names, or the one the target goes with."""
+        directory = Path(spec.draft) if spec.draft else draft_model_path(self.config.model)
+        model = load_model(directory, self.dtype, self.device, quantized=self.config.quantized)
+        self._draft_vocab(model, directory)
+        self.prepare(model)
+        if model.config.vocab_size != target.config.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({model.config.vocab_size}) differs from the "
+                f"target's ({target.config.vocab_size})"
+            )
+        return DraftModelDrafter(
+            model,
+            self.cache_for(model, num_pages),
+            attention,
+            history,
+            self.config.max_running,
+            spec.sampled_drafts,
+            grammar_aware=spec.grammar_drafting,
+            # its rows may be another drafter's: it refills over every committed token
+            follows_text=self.config.spec.method in ("hybrid", "auto"),
+            graphs=self.graphs(num_pages, model),
+        )
 
     def _draft_vocab(self, model: LlamaModel, path: Path) -> None:
         """The draft model's lm_head over --draft-vocab tokens (models/vocab.py), where its

@@ -86,7 +86,7 @@ def from_options(config: type, parsed: argparse.Namespace, **given: Any) -> Any:
 
 # grammar: no model; a request's drafts are what its grammar implies (structured output)
 SPECULATIVE_METHODS = (
-    "auto",  # per model: engine/config.py EngineConfig._resolve_spec
+    "auto",  # per request and step, whatever pays (stages/policy.py)
     "none",
     "draft",
     "ngram",
@@ -140,8 +140,8 @@ class KVConfig:
     )
     dtype: str = option(
         "auto",
-        "the KV cache's dtype; auto: float16 for a float32 model on the CPU (as llama.cpp "
-        "keeps it: half the bytes every attention reads), else the model's",
+        "the KV cache's dtype; auto: float16 for a GGUF file served at its quantized types "
+        "(as llama.cpp keeps it), else the dtype the model computes in",
         flag="--kv-dtype",
         choices=KV_DTYPES,
     )
@@ -162,8 +162,10 @@ class SpecConfig:
         "how draft tokens are proposed; none: no speculation; draft: a draft model; ngram: "
         "the context's earlier text; suffix: suffix decoding over the request's context and "
         "recent outputs; eagle, mtp: a head; grammar: no model, what a request's grammar "
-        "implies; hybrid: suffix where it expects to pay, else --hybrid-head; auto: draft "
-        "for the models that ship a draft model (demo, qwen2.5-coder), ngram for the others",
+        "implies; hybrid: suffix where it expects to pay, else --hybrid-head; auto: each "
+        "request, each step, whatever it expects to give the most tokens a second: nothing, "
+        "ngram, suffix, or a model (the draft model of demo and qwen2.5-coder, or --draft "
+        "as --hybrid-head says), from its own measured acceptance and the cost model",
         flag="--speculative",
         choices=SPECULATIVE_METHODS,
     )
@@ -248,8 +250,9 @@ class SpecConfig:
     # committed token, whoever drafted it)
     hybrid_head: str = option(
         "auto",
-        "the model --speculative hybrid drafts with where suffix decoding does not: a head "
-        "or the draft model; auto: the draft model where the target ships one, else eagle",
+        "the model --speculative hybrid and auto draft with where suffix decoding (and for "
+        "auto n-gram) does not: a head or the draft model; auto: the draft model where the "
+        "target ships one, else for hybrid eagle, for auto --draft's eagle or none",
         choices=("auto", *MODEL_DRAFTERS),
     )
     hybrid_min_score: float = option(
@@ -269,7 +272,7 @@ class SpecConfig:
             raise ValueError("draft_vocab must not be negative")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
-        if self.hybrid_head not in ("auto", *MODEL_DRAFTERS):
+        if self.hybrid_head not in ("auto", "none", *MODEL_DRAFTERS):
             raise ValueError(
                 f"unknown hybrid head {self.hybrid_head!r}; choose from {MODEL_DRAFTERS}"
             )
@@ -281,7 +284,7 @@ class SpecConfig:
         if self.tree not in TREE_SHAPES:
             raise ValueError(f"unknown tree {self.tree!r}; choose from {TREE_SHAPES}")
         if self.tree != "chain" and self.method not in HEADS:
-            raise ValueError(f"tree drafting ({self.tree}) needs a head: the eagle or mtp method")
+            raise ValueError(f"--tree {self.tree} needs a head: --speculative eagle or mtp")
         if not 1 <= self.tree_nodes <= 64:
             raise ValueError(f"tree_nodes must be in 1..64, got {self.tree_nodes}")
         if not 1 <= self.tree_depth <= 16 or not 1 <= self.tree_topk <= 16:
@@ -308,8 +311,9 @@ class SpecConfig:
 
     @property
     def drafting_model(self) -> str:
-        """The method whose model drafts: the method, or for hybrid its --hybrid-head."""
-        return self.hybrid_head if self.method == "hybrid" else self.method
+        """The method whose model drafts: the method, or for hybrid and auto --hybrid-head
+        ("none" for auto without a model)."""
+        return self.hybrid_head if self.method in ("hybrid", "auto") else self.method
 
     @property
     def head(self) -> str | None:
@@ -322,6 +326,9 @@ class SpecConfig:
         hybrid's two halves."""
         if self.method == "hybrid":
             return ("none", "hybrid", "suffix", self.hybrid_head)
+        if self.method == "auto":
+            model = (self.hybrid_head,) if self.hybrid_head != "none" else ()
+            return ("none", "auto", "ngram", "suffix", *model)
         return ("none", self.method) if self.method != "none" else ("none",)
 
     @property
@@ -517,15 +524,17 @@ class EngineConfig:
             raise ValueError("max_model_len must not be negative")
 
     def _resolve_spec(self) -> None:
-        """The speculative method and the hybrid's head that `auto` names for this model: the
-        draft model where the model ships one, else n-gram drafting and the EAGLE head (set
-        once, here, before anyone reads them: the config is frozen)."""
-        paired = self.model in WITH_DRAFT_MODEL
+        """The model that hybrid and auto draft with where --hybrid-head is auto: the draft
+        model where the target ships one; else the EAGLE head for hybrid, and for auto the
+        head --draft names or none (the shipped heads of SmolLM2 do not pay: docs/models.md).
+        Set once, here, before anyone reads it: the config is frozen."""
         spec = self.spec
-        if spec.method == "auto":
-            spec = dataclasses.replace(spec, method="draft" if paired else "ngram")
         if spec.hybrid_head == "auto":
-            spec = dataclasses.replace(spec, hybrid_head="draft" if paired else "eagle")
+            if self.model in WITH_DRAFT_MODEL:
+                head = "draft"
+            else:
+                head = "eagle" if spec.method == "hybrid" or spec.draft else "none"
+            spec = dataclasses.replace(spec, hybrid_head=head)
         object.__setattr__(self, "spec", spec)
 
     @property
@@ -539,11 +548,24 @@ class EngineConfig:
 
     @property
     def kv_torch_dtype(self) -> str:
-        """The KV cache's dtype's name, auto resolved by the device."""
+        """The KV cache's dtype's name, auto resolved by what was loaded."""
+        return self.kv_dtype_choice[0]
+
+    @property
+    def kv_dtype_choice(self) -> tuple[str, str]:
+        """The KV cache's dtype's name and why it is that one (the start log says both)."""
         if self.kv.dtype != "auto":
-            return self.kv.dtype
-        float32_cpu = self.device == "cpu" and self.torch_dtype == "float32"
-        return "float16" if float32_cpu else self.torch_dtype
+            return self.kv.dtype, "--kv-dtype"
+        if self.quantized and self.gguf:
+            # as llama.cpp keeps it: half the bytes every attention reads, and a model already
+            # rounded to a few bits a weight
+            return "float16", "a GGUF file served at its quantized types"
+        return self.torch_dtype, "the dtype the model computes in"
+
+    @property
+    def gguf(self) -> bool:
+        """Whether the target is a GGUF file (the named models other than the demo are)."""
+        return self.model in (SMOLLM2, QWEN_CODER) or self.model.endswith(".gguf")
 
     @property
     def quantized(self) -> bool:

@@ -130,14 +130,18 @@ class CostModel:
     # step cannot steer the choice between draft lengths, which the curves alone decide
     factors: dict[int, float] = field(default_factory=dict)
 
-    def forwards_seconds(self, batch: int, k: int) -> float:
-        """The step's model forwards, from the curves alone."""
+    def forwards_seconds(self, batch: int, k: int, drafted: bool = True) -> float:
+        """The step's model forwards, from the curves alone; `drafted` False: k drafts that
+        cost no forward (n-gram, suffix), the model's refill skipped where it may be."""
         cal = self.calibration
-        forwards = k if self.lazy_refill else max(k, 1)
+        forwards = k if drafted else 0
+        if not self.lazy_refill:
+            forwards = max(forwards, 1)
         return cal.verify(batch * (k + 1)) + forwards * cal.draft(batch)
 
-    def step_seconds(self, batch: int, k: int) -> float:
-        return self.forwards_seconds(batch, k) * self.factors.get(_bucket(batch), 1.0)
+    def step_seconds(self, batch: int, k: int, drafted: bool = True) -> float:
+        factor = self.factors.get(_bucket(batch), 1.0)
+        return self.forwards_seconds(batch, k, drafted) * factor
 
     def choose(self, rates: list[float], caps: list[int]) -> int:
         """The k in 0..k_max of the most expected tokens per second; caps [B]: each request's

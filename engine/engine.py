@@ -82,6 +82,7 @@ class AsyncEngine:
         )
         self.metrics.products.labels(products=built.products).set(1)
         log.info("the target's products: %s", built.products)
+        log.info("the KV cache in %s: %s", *config.kv_dtype_choice)
         if built.dequantized:
             log.info(
                 "served dequantized (no kernel for their types): %s", ", ".join(built.dequantized)

@@ -95,6 +95,12 @@ class EngineMetrics:
             "Drafts whose tokens 0..position were all accepted.",
             ["position"],
         )
+        self.drafter_tokens = r.counter(
+            "tandem_spec_decode_drafter_tokens_total",
+            "--speculative auto: draft tokens proposed and accepted, by the drafter that "
+            "proposed them (model, ngram, suffix)",
+            ["drafter", "kind"],
+        )
         self.num_speculative_tokens = r.gauge(
             "tandem_spec_num_speculative_tokens", "Draft length k chosen for the last step."
         )
@@ -170,6 +176,12 @@ class EngineMetrics:
             self.num_accepted_tokens.inc(a)
             for position in range(a):
                 self.accepted_per_pos.labels(position=position).inc()
+
+    def observe_drafter(self, drafter: str | None, drafted: int, accepted: int) -> None:
+        """A request's drafts of a step by the drafter a policy chose (None: no policy)."""
+        if drafter:
+            self.drafter_tokens.labels(drafter=drafter, kind="proposed").inc(drafted)
+            self.drafter_tokens.labels(drafter=drafter, kind="accepted").inc(accepted)
 
     def render(self) -> str:
         if self.collect is not None:

@@ -83,12 +83,16 @@ class OutputStream:
         self.held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]
 
-    def count_drafts(self, drafted: int, accepted: int) -> None:
+    def count_drafts(self, drafted: int, accepted: int, by: str | None = None) -> None:
         """A speculative step's drafts, in the usage the request reports (without the tokens
-        the grammar forced, which count_forced counts)."""
+        the grammar forced, which count_forced counts); `by`: the drafter a policy chose."""
         self.usage.spec_steps += 1
         self.usage.draft_tokens += drafted
         self.usage.accepted_tokens += accepted
+        if by:
+            counts = self.usage.by_drafter.setdefault(by, [0, 0])
+            counts[0] += drafted
+            counts[1] += accepted
 
     def count_forced(self, forced: int) -> None:
         self.usage.forced_tokens += forced

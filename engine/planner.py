@@ -110,6 +110,7 @@ class Planner:
             [int(self.no_sync and s.request.inflight > 0) for s in batch.seqs],
             drafter_refill=refill,
             catch_up=catch_up,
+            drafted_by=self.drafter.chosen if drafts is not None else None,
         )
 
     def _with_grammar(self, seq: Sequence, drafts: list[int], k: int) -> list[int]:

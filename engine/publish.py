@@ -92,9 +92,11 @@ class Publisher:
             if plan.k:
                 accepted = outcome.accepted[i]
                 free = sum(forced[:accepted])  # accepted drafts the grammar forced
+                by = plan.drafted_by[i] if plan.drafted_by is not None else None
                 if plan.num_drafts[i]:  # its own drafts: a batch-mate's speculation is not its
-                    output.count_drafts(plan.num_drafts[i] - free, accepted - free)
-                self.scheduler.observe(seq.request, plan.num_drafts[i], accepted)
+                    output.count_drafts(plan.num_drafts[i] - free, accepted - free, by)
+                    self.metrics.observe_drafter(by, plan.num_drafts[i], accepted)
+                self.scheduler.observe(seq.request, plan.num_drafts[i], accepted, by)
             elif self.cost is not None and decode:  # the cost model chose k = 0
                 self.scheduler.observe(seq.request, None)
             if not decode and not seq.request.output_ids:  # its prompt's first prefill

@@ -87,13 +87,23 @@ class Scheduler:
             self.prefixes.insert(seq.prefill_ids, seq.table.pages)  # its prefill has run
         seq.num_tokens += emitted
 
-    def observe(self, request: Request, drafted: int | None, accepted: int = 0) -> None:
-        """What a decode step's drafts did for the request's acceptance estimate (the cost
-        model's); `drafted` None: the cost model chose not to draft."""
-        if drafted is None:
-            request.acceptance.idle()
-        else:
-            request.acceptance.observe(drafted, accepted)
+    def observe(
+        self, request: Request, drafted: int | None, accepted: int = 0, by: str | None = None
+    ) -> None:
+        """What a decode step's drafts did for the request's acceptance estimates: the cost
+        model's (the model's), and under a policy (`by`: who drafted, "" none) the free
+        drafters'; `drafted` None: the cost model chose not to draft. The estimates of the
+        drafters that did not draft fade toward the prior, so that they are tried again."""
+        estimates = (
+            {"model": request.acceptance}
+            if by is None
+            else {"model": request.acceptance, **request.free_rates}
+        )
+        for name, estimate in estimates.items():
+            if drafted is not None and name == (by or "model"):
+                estimate.observe(drafted, accepted)
+            else:
+                estimate.idle()
 
     def unplanned(self, seq: Sequence, step: int) -> None:
         """The step was planned but never ran: the sequence's pages wait for the one before."""

@@ -131,6 +131,9 @@ class Drafter(Protocol):
     # tokens whose KV it lacks (Plan.catch_up): a drafter that reads nothing but tokens (a
     # draft model) can, a head (it reads the target's features) cannot
     lazy_refill: bool
+    # after `host_drafts`: who drafted each row, where a policy chose among several drafters
+    # (Plan.drafted_by); None for a drafter that is one
+    chosen: list[str] | None
 
     def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int] | None] | None: ...
 
@@ -152,6 +155,7 @@ class NoDrafter:
     target_layers: tuple[int, ...] = ()
     leader_only = False
     lazy_refill = False
+    chosen: list[str] | None = None
 
     def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int] | None] | None:
         return None

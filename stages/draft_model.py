@@ -32,6 +32,7 @@ class DraftModelDrafter:
     target_layers: tuple[int, ...] = ()
     leader_only = True  # too small to gain from sharding
     lazy_refill = True  # its KV needs nothing but the tokens: it catches up from the history
+    chosen: list[str] | None = None
 
     def __init__(
         self,
@@ -113,7 +114,7 @@ class DraftModelDrafter:
         columns = torch.arange(first, 2, device=a.device)
         positions = pick(dev.base)[:, None] + a + columns
         slots = pick(dev.tail_slots).gather(1, a + columns)
-        self.deferred[pick(dev.rows)] = self._forward(dev, index, ids, positions, slots)
+        self._defer(pick(dev.rows), self._forward(dev, index, ids, positions, slots))
         return ids.shape[1]
 
     def _catch_up_lag(self, plan: Plan, dev: DevicePlan) -> None:
@@ -132,7 +133,7 @@ class DraftModelDrafter:
         slots = dev.target_meta.kv_slots.gather(1, positions)
         small = drafter_metadata(dev, None, positions, slots)
         (hidden,) = self.forward(ids.flatten(), positions.flatten(), small)
-        self.deferred[dev.rows] = self.model.logits(hidden.view(*ids.shape, -1)[:, -1])
+        self._defer(dev.rows, self.model.logits(hidden.view(*ids.shape, -1)[:, -1]))
 
     def _follow(self, plan: Plan, dev: DevicePlan, verdict: Verdict) -> int:
         """Run the draft over the step's committed tokens, the accepted drafts and the
@@ -145,8 +146,13 @@ class DraftModelDrafter:
         positions = dev.base[:, None] + 1 + columns
         slots = dev.tail_slots[:, 1 : m + 1]
         ids = verdict.tokens[:, :m].clamp(min=0)  # -1 pads past the emitted token
-        self.deferred[dev.rows] = self._forward(dev, None, ids, positions, slots, a)
+        self._defer(dev.rows, self._forward(dev, None, ids, positions, slots, a))
         return m
+
+    def _defer(self, rows: torch.Tensor, logits: torch.Tensor) -> None:
+        """Keep the draft's logits [E, V] of rows [E] for the next step, in float32 whatever
+        the model computes in (a 16-bit model's logits are upcast once, here)."""
+        self.deferred[rows] = logits.float()
 
     def _forward(self, dev, index, ids, positions, slots, at=None) -> torch.Tensor:
         """Draft logits [E, V] at column `at` [E] (None: the last) of m tokens per sequence

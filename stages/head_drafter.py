@@ -38,6 +38,7 @@ Head = EagleHead | Eagle3Head | MTPHead
 class HeadDrafter:
     leader_only = False  # the head is sharded with the target
     lazy_refill = False
+    chosen: list[str] | None = None
 
     def __init__(
         self,

@@ -56,6 +56,7 @@ def make_plan(
     unknown: list[int] | None = None,
     drafter_refill: bool = True,
     catch_up: int = 0,
+    drafted_by: list[str] | None = None,
 ) -> Plan:
     """The step's plan: `sampling` holds the batch's parameters; `host_drafts` [B][<= k] come
     from the host (n-gram, suffix; None: a row the device drafts); `unknown` [B] marks
@@ -116,6 +117,7 @@ def make_plan(
         fields=fields,
         drafter_refill=drafter_refill,
         catch_up=catch_up,
+        drafted_by=drafted_by if batch.kind == StepKind.DECODE else None,
     )
 
 

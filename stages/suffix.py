@@ -200,6 +200,7 @@ class HybridDrafter:
         self.target_layers = head.target_layers
         self.leader_only = head.leader_only
         self.lazy_refill = head.lazy_refill
+        self.chosen: list[str] | None = None
 
     def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int] | None] | None:
         """Each row's suffix draft (up to max_k tokens), or None where the head drafts (k:

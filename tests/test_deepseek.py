@@ -15,6 +15,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from core.params import SamplingParams
+from kv.cache import KVCache
 from models.attention import CausalAttention, TorchPagedAttention
 from models.checkpoint import CheckpointError
 from models.deepseek import (
@@ -174,6 +175,56 @@ def test_paged_prefill_decode_verify_match_transformers(checkpoint, prepared, fo
         assert (got - want).abs().max().item() <= TOLERANCE, (name, seq, start)
     assert expected[0].abs().max() > 1.0  # the check is not vacuous
     assert router_margins(reference, runner.tokens) > 1e-4  # no choice turned on rounding
+
+
+class Recorded(TorchPagedAttention):
+    """The paged attention of layer 0 (whose input, the embeddings, is the same whatever the
+    cache keeps), each call's queries, keys and output recorded."""
+
+    calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, layer, q, k, v):
+        out = super().__call__(layer, q, k, v)
+        if layer == 0:
+            self.calls.append((q, k, out))
+        return out
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["torch", "inference-kernels"])
+def test_a_float16_cache_moves_latent_attention_by_its_rounding_only(checkpoint, prepared):
+    """MLA's absorbed attention (one head over latent + rope rows, the rows its values too)
+    over a float16 cache against a float32 one, through a prefill and decodes: every output
+    moves by at most what rounding the cached rows to float16 (unit roundoff u = 2^-11)
+    implies: a score by d = sum |q| |k| u / sqrt(D), the weights by a factor e^{2d}, so
+    |out16 - out32| <= max |v| ((e^{2 d_max} - 1)(1 + u) + u)."""
+    name, root, _ = checkpoint
+    outputs = {}
+    for dtype in (torch.float32, torch.float16):
+        model = load_model(root)
+        if prepared:
+            prepare_for_inference(model)
+        run_forms(model, "absorbed")
+        cfg = model.config
+        runner = PagedRunner(model, num_seqs=1, attention=Recorded)
+        runner.cache = KVCache(cfg.num_layers, 48, 4, 1, cfg.head_dim, dtype, queries=torch.float32)
+        Recorded.calls = []
+        tokens = torch.randint(0, cfg.vocab_size, (23,), generator=torch.Generator().manual_seed(1))
+        runner.step([tokens.tolist()])
+        for token in tokens[:6].tolist():  # decodes over the prompt's rows and their own
+            runner.step([[token]])
+        outputs[dtype] = Recorded.calls
+    u, width = 2.0**-11, cfg.head_dim
+    for (q, _, out32), (_, _, out16) in zip(
+        outputs[torch.float32], outputs[torch.float16], strict=True
+    ):
+        keys = outputs[torch.float32][-1][1][:, 0]  # [T, D] every row of the last step's seq
+        d = (q.abs()[:, :, None, :] * keys.abs()[None, None]).sum(-1).max() * u / width**0.5
+        v_max = keys[:, : cfg.kv_lora_rank].abs().max()
+        bound = v_max * ((torch.exp(2 * d) - 1) * (1 + u) + u) + 1e-5
+        latent = out32[..., : cfg.kv_lora_rank]
+        assert (out16[..., : cfg.kv_lora_rank] - latent).abs().max() <= bound, (name, bound)
+    moved = max((a[2] - b[2]).abs().max().item() for a, b in zip(*outputs.values(), strict=True))
+    assert moved > 0  # the float16 cache did round
 
 
 def test_the_absorbed_and_expanded_forms_agree(checkpoint):

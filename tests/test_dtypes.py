@@ -4,10 +4,13 @@ where float32's top two logits are within that dtype's rounding."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from core.params import SamplingParams
+from engine.config import EngineConfig, KVConfig
 from tests.engine_util import (
     DRAFTERS,
     ROUNDING,
@@ -64,7 +67,8 @@ async def test_the_dtype_departs_from_float32_only_at_near_ties(tiny_target, pro
 async def test_speculation_equals_plain_decoding_at_each_kv_dtype(
     tiny_target, drafters, prompts, kv_dtype
 ):
-    """A float32 model with its KV cache in float32, or in float16 (the CPU's default)."""
+    """A float32 model with its KV cache in float32 (its default), or in float16 (a GGUF
+    file's default at its quantized types)."""
 
     async def run(method="none", draft=None, k=3, **spec):
         config = make_config(tiny_target, method, draft, k=k, kv_dtype=kv_dtype, spec_kw=spec)
@@ -75,3 +79,26 @@ async def test_speculation_equals_plain_decoding_at_each_kv_dtype(
     plain = await run()
     for name, (method, draft, k, spec) in DRAFTERS.items():
         assert await run(method, drafters[draft] if draft else None, k, **spec) == plain, name
+
+
+@pytest.mark.parametrize(
+    "model, flags, want",
+    [
+        ("hf", {}, ("float32", "the dtype the model computes in")),
+        ("hf", {"dtype": "bfloat16"}, ("bfloat16", "the dtype the model computes in")),
+        ("gguf", {}, ("float16", "a GGUF file served at its quantized types")),
+        ("gguf", {"weights": "float32"}, ("float32", "the dtype the model computes in")),
+        ("hf", {"kv": KVConfig(dtype="float16")}, ("float16", "--kv-dtype")),
+        ("smollm2", {}, ("float16", "a GGUF file served at its quantized types")),
+    ],
+)
+def test_the_kv_caches_default_dtype_follows_what_was_loaded(model, flags, want):
+    path = {"hf": "some/directory", "gguf": "model.gguf"}.get(model, model)
+    assert EngineConfig(path, **flags).kv_dtype_choice == want
+
+
+async def test_the_start_log_names_the_kv_dtype_and_why(tiny_quant_target, caplog):
+    caplog.set_level(logging.INFO, "tandem.engine")
+    async with running(make_config(tiny_quant_target)) as engine:
+        assert engine.stages.verifier.cache.data.dtype == torch.float16
+    assert "the KV cache in float16: a GGUF file served at its quantized types" in caplog.text

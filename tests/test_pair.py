@@ -9,40 +9,17 @@ import asyncio
 import pytest
 
 from core.params import SamplingParams
-from models.eagle import save_eagle_head
-from models.loader import load_model
 from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
-from tests.tiny import T, random_eagle_head, write_gguf, write_model
+from tests.tiny import write_qwen2_pair
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-QWEN2 = {"attention_bias": True, "rope_theta": 1e6, "architecture": "Qwen2ForCausalLM"}
-# the 1.5B file's types (tied embeddings) and the 0.5B's (an output matrix of its own)
-TARGET_TYPES = {
-    **{k: T.Q4_K for k in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")},
-    **{k: T.Q6_K for k in ("attn_v", "ffn_down", "token_embd")},
-}
-DRAFT_TYPES = {
-    **{k: T.Q5_0 for k in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up", "token_embd")},
-    **{k: T.Q8_0 for k in ("attn_v", "ffn_down", "output")},
-}
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """(target, draft, heads): GGUF files of a 256-wide qwen2 (K types need 256 inputs)."""
-    root = tmp_path_factory.mktemp("pair")
-    files = []
-    for name, types, tied in (("target", TARGET_TYPES, True), ("draft", DRAFT_TYPES, False)):
-        source = write_model(
-            root / name, 2, 256, len(files), head_dim=64, tie_word_embeddings=tied, **QWEN2
-        )
-        path = root / f"{name}.gguf"
-        write_gguf(source, path, types, gguf_arch="qwen2", gguf_pre="qwen2")
-        files.append(path)
-    target = load_model(files[0])
-    heads = {"eagle": root / "eagle"}
-    save_eagle_head(random_eagle_head(target, norms=False), heads["eagle"])
-    return files[0], files[1], heads
+    files = write_qwen2_pair(tmp_path_factory.mktemp("pair"))
+    return files["target"], files["draft"], {"eagle": files["eagle"]}
 
 
 @pytest.fixture(scope="module")

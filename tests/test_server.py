@@ -427,9 +427,10 @@ async def test_overload_is_a_503_with_retry_after(
 
 def test_config_from_args() -> None:
     config, options = config_from_args([])
-    assert config.model == "smollm2" and config.spec.method == "ngram" and config.spec.adaptive_k
+    assert config.model == "smollm2" and config.spec.method == "auto" and config.spec.adaptive_k
+    assert config.spec.drafting_model == "none"  # n-gram and suffix decoding, no model
     demo, _ = config_from_args(["--model", "demo"])
-    assert demo.model == "demo" and demo.spec.method == "draft"
+    assert demo.model == "demo" and demo.spec.drafting_model == "draft"
     assert (options.host, options.port, options.api_key) == ("127.0.0.1", 8000, None)
     config, options = config_from_args(
         "--model m --draft d --speculative eagle --num-speculative-tokens 6 --port 0 "

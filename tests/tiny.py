@@ -14,11 +14,11 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from models.checkpoint import read_config, read_safetensors
-from models.eagle import Eagle3Head, EagleHead
+from models.eagle import Eagle3Head, EagleHead, save_eagle_head
 from models.gguf import LAYER_NAMES, TOP_NAMES
 from models.llama import LlamaConfig, LlamaModel
 from models.loader import load_model, save_pretrained
-from models.mtp import MTPHead
+from models.mtp import MTPHead, save_mtp_head
 
 TEXT = [
     "def add(a, b):\n    return a + b\n",
@@ -120,8 +120,9 @@ def random_eagle3_head(
 
 
 def random_mtp_head(target: LlamaModel, seed: int = 0, scale: float = 0.5) -> MTPHead:
-    """An MTP head of the target's shapes with large random weights."""
-    cfg = dataclasses.replace(target.config, num_layers=1)
+    """An MTP head of the target's shapes with large random weights: a Llama block (no
+    q/k/v biases, whatever the target's)."""
+    cfg = dataclasses.replace(target.config, num_layers=1, attention_bias=False)
     head = MTPHead(cfg, target)
     randomize(head, seed, scale)
     return head.eval().requires_grad_(False)
@@ -264,3 +265,37 @@ def write_vocab(writer: gguf.GGUFWriter, directory: Path, pre: str) -> None:
     writer.add_add_bos_token(False)
     config = json.loads((directory / "tokenizer_config.json").read_text())
     writer.add_chat_template(config["chat_template"])
+
+
+QWEN2 = {"attention_bias": True, "rope_theta": 1e6, "architecture": "Qwen2ForCausalLM"}
+# the Qwen2.5-Coder 1.5B file's types (tied embeddings) and the 0.5B's (an output matrix of its
+# own)
+QWEN2_TARGET_TYPES = {
+    **{k: T.Q4_K for k in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")},
+    **{k: T.Q6_K for k in ("attn_v", "ffn_down", "token_embd")},
+}
+QWEN2_DRAFT_TYPES = {
+    **{k: T.Q5_0 for k in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up", "token_embd")},
+    **{k: T.Q8_0 for k in ("attn_v", "ffn_down", "output")},
+}
+
+
+def write_qwen2_pair(root: Path) -> dict[str, Path]:
+    """The Qwen2.5-Coder pair, small: a random 256-wide qwen2 target and draft (K types need
+    256 inputs) as GGUF files of the real files' types, and random EAGLE and MTP heads of the
+    target; by name: target, draft, eagle, mtp."""
+    files = {}
+    for name, types, tied in (
+        ("target", QWEN2_TARGET_TYPES, True),
+        ("draft", QWEN2_DRAFT_TYPES, False),
+    ):
+        source = write_model(
+            root / name, 2, 256, len(files), head_dim=64, tie_word_embeddings=tied, **QWEN2
+        )
+        files[name] = write_gguf(
+            source, root / f"{name}.gguf", types, gguf_arch="qwen2", gguf_pre="qwen2"
+        )
+    target = load_model(files["target"])
+    save_eagle_head(random_eagle_head(target, norms=False), root / "eagle")
+    save_mtp_head(random_mtp_head(target, seed=7), root / "mtp")
+    return files | {"eagle": root / "eagle", "mtp": root / "mtp"}

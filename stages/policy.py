@@ -1,0 +1,140 @@
+"""`--speculative auto`: each request drafts, each step, with whatever it expects to give the
+most tokens per second of the step: a drafter with no model (n-gram, suffix decoding), the
+model (a draft model or an EAGLE or MTP head, where one is at hand), or nothing.
+
+The choice is made on the host at plan time, row by row, from the request's own measured
+acceptance of each drafter (Request.acceptance for the model, Request.free_rates for the
+others: the scheduler updates the one that drafted and lets the others fade toward the prior,
+so that a drafter that stopped paying is tried again after a while) and each option's price,
+the cost model's curves for a one-row step: a free draft of n tokens costs the verify of n + 1
+rows, the model's k drafts the verify of k + 1 rows and its k forwards, nothing the verify of
+one row. The model's k is the cost model's choice for the batch (0: the model does not draft
+this step). Every choice is lossless because each drafter is: the target verifies whatever
+was proposed. A request may name one drafter alone (`speculative_method`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from core.request import FREE_FORGET, AcceptanceRate, Request
+from core.step import DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
+from stages.draft import Drafter, ngram_lookup
+from stages.suffix import SuffixDrafter
+
+MODEL = "model"  # the name under which a row the model drafts is counted
+NONE = ""  # a row that drafts nothing
+
+
+@dataclasses.dataclass(frozen=True)
+class Prices:
+    """Seconds of a one-row step: `free(n)` verifying n drafts proposed at no cost, `model(k)`
+    verifying k drafts of the model with its forwards (the cost model's curves)."""
+
+    free: Callable[[int], float]
+    model: Callable[[int], float]
+
+
+def expected_tokens(rate: float, drafts: int) -> float:
+    """Tokens a step emits in expectation: 1 + rate + ... + rate^drafts."""
+    return (1 - rate ** (drafts + 1)) / (1 - rate)
+
+
+def best_length(rate: float, proposed: int, price: Callable[[int], float]) -> tuple[int, float]:
+    """The number of a free draft's tokens (0..proposed) that gives the most expected tokens a
+    second, and that rate."""
+    rates = [(expected_tokens(rate, n) / price(n), n) for n in range(proposed + 1)]
+    speed, n = max(rates)
+    return n, speed
+
+
+class PolicyDrafter:
+    """The drafts of whatever pays, per request and step (the module docstring). `model`: the
+    draft model or head that drafts on the device (None: the free drafters alone)."""
+
+    def __init__(
+        self,
+        model: Drafter | None,
+        suffix: SuffixDrafter,
+        ngram: tuple[int, int],  # n-gram lookup's shortest and longest suffix
+        max_k: int,  # the most tokens of a free draft
+        prices: Prices,
+    ):
+        self.model, self.suffix, self.ngram = model, suffix, ngram
+        self.max_k, self.prices = max_k, prices
+        self.target_layers = model.target_layers if model is not None else ()
+        self.leader_only = model.leader_only if model is not None else False
+        self.lazy_refill = model.lazy_refill if model is not None else False
+        self.chosen: list[str] | None = None  # the last plan's drafter of each row
+
+    def free_drafts(self, request: Request) -> dict[str, list[int]]:
+        """What each free drafter proposes for the request, up to max_k tokens."""
+        lo, hi = self.ngram
+        return {
+            "ngram": ngram_lookup(request.all_ids, self.max_k, lo, hi),
+            "suffix": self.suffix.propose_for(request, self.max_k).tokens,
+        }
+
+    def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int] | None] | None:
+        """Each row's free draft, [] where it drafts nothing, None where the model drafts (k:
+        the cost model's choice for the model)."""
+        self.suffix.retire()
+        rows = [self._choose(seq.request, k) for seq in seqs]
+        self.chosen = [name for name, _ in rows]
+        return [drafts for _, drafts in rows]
+
+    def _choose(self, request: Request, k: int) -> tuple[str, list[int] | None]:
+        """(who drafts the request's row, its drafts: None for the model's)."""
+        named = request.params.speculative_method or "auto"
+        free = self.free_drafts(request)
+        if named in free:
+            return named, free[named]
+        model = self.model is not None and k > 0
+        if named != "auto":  # the model, or none
+            return (MODEL, None) if named != "none" and model else (NONE, [])
+        best: tuple[float, str, list[int] | None] = (1 / self.prices.free(0), NONE, [])
+        if model:
+            best = max(best, (self._model_speed(request.acceptance, k), MODEL, None), key=_speed)
+        for name, tokens in free.items():
+            estimate = request.free_rates.setdefault(name, AcceptanceRate(forget=FREE_FORGET))
+            rate = estimate.rate
+            n, speed = best_length(rate, len(tokens), self.prices.free)
+            best = max(best, (speed, name, tokens[:n]), key=_speed)
+        _, name, drafts = best
+        return (name if drafts != [] else NONE), drafts
+
+    def _model_speed(self, acceptance: AcceptanceRate, k: int) -> float:
+        return expected_tokens(acceptance.rate, k) / self.prices.model(k)
+
+    def prefill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
+        if self.model is not None:
+            self.model.prefill(plan, dev, out, verdict)
+
+    def propose(self, plan: Plan, dev: DevicePlan) -> Drafts:
+        """The model's drafts, the host's in the rows that have them (a host draft is a point
+        mass, which a sampled batch's q says row by row)."""
+        firsts = plan.fields["host_drafts"][:: plan.k]  # the host's copy: no device read
+        if self.model is None or all(token >= 0 for token in firsts):
+            return Drafts(dev.host_drafts)
+        host = dev.host_drafts[:, :1] >= 0  # [B, 1]: a free drafter drafted this row
+        drafts = self.model.propose(plan, dev)
+        tokens = torch.where(host, dev.host_drafts, drafts.tokens)
+        probs = drafts.probs
+        if probs is not None:
+            point = torch.nn.functional.one_hot(tokens.clamp(min=0), probs.shape[-1])
+            probs = torch.where(host[..., None], point.to(probs.dtype), probs)
+        return dataclasses.replace(drafts, tokens=tokens, probs=probs)
+
+    def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
+        return self.model.refill(plan, dev, out, verdict) if self.model is not None else 0
+
+    def probe(self, num_tokens: int) -> None:
+        if self.model is not None:
+            self.model.probe(num_tokens)
+
+
+def _speed(option: tuple[float, str, list[int] | None]) -> float:
+    return option[0]

@@ -1,0 +1,147 @@
+"""--speculative auto (stages/policy.py): each request drafts with whatever its own measured
+acceptance and the drafters' prices say pays. On the host, step by step against a scripted
+target: a request that copies its prompt drafts with a free drafter, turns to the model when
+the text turns new, drops a drafter at zero acceptance within a few steps and tries it again
+later. Through the engine: greedy output equals plain decoding's (also in tests/test_matrix.py)
+and usage and /metrics say which drafter drafted what."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from core.params import SamplingParams
+from core.request import Request
+from engine.scheduler import Scheduler
+from kv.pages import PageAllocator
+from stages.policy import MODEL, NONE, PolicyDrafter, Prices
+from stages.suffix import SuffixDrafter
+from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
+
+# a verify of n + 1 rows costs 1 + 0.1 n; each model draft 0.05 more
+PRICES = Prices(free=lambda n: 1 + 0.1 * n, model=lambda k: 1 + 0.15 * k)
+K = 4
+
+
+class NoModel:
+    """Stands for a model drafter on the host: the policy only asks for its capabilities."""
+
+    target_layers: tuple[int, ...] = ()
+    leader_only = False
+    lazy_refill = True
+
+
+def policy(model: bool = True) -> PolicyDrafter:
+    return PolicyDrafter(NoModel() if model else None, SuffixDrafter(), (1, 4), K, PRICES)  # type: ignore[arg-type]
+
+
+def scheduler() -> Scheduler:
+    return Scheduler(PageAllocator(8), 4, 4, 64, 5, 64)
+
+
+class Script:
+    """A request whose target emits `truth` token by token; the model's drafts are right with
+    probability `model_rate` each; drafts are checked against the truth (greedy)."""
+
+    def __init__(self, prompt: list[int], truth: list[int], model_rate: float):
+        self.request = Request("r", prompt, SamplingParams(max_tokens=len(truth)), 0, 0.0)
+        self.truth, self.model_rate = truth, model_rate
+        self.rng = random.Random(0)
+
+    def step(self, drafter: PolicyDrafter, sched: Scheduler) -> str:
+        """One step: the policy's choice, its drafts verified, the tokens committed; who drafted."""
+        request, done = self.request, len(self.request.output_ids)
+        (seq_drafts,) = drafter.host_drafts([FakeSeq(request)], K)  # the cost model's k = K
+        (by,) = drafter.chosen or [NONE]
+        ahead = self.truth[done:]
+        if seq_drafts is None:  # the model's: right while the coin says so
+            accepted = 0
+            while accepted < min(K, len(ahead) - 1) and self.rng.random() < self.model_rate:
+                accepted += 1
+            drafted = K
+        else:
+            drafted = len(seq_drafts)
+            accepted = next(
+                (i for i, (d, t) in enumerate(zip(seq_drafts, ahead, strict=False)) if d != t),
+                min(drafted, len(ahead)),
+            )
+        request.output_ids += ahead[: accepted + 1]
+        sched.observe(request, drafted, accepted, by)
+        return by
+
+
+class FakeSeq:
+    def __init__(self, request: Request):
+        self.request = request
+
+
+def test_the_policy_turns_from_a_free_drafter_to_the_model_when_the_text_turns_new():
+    rng = random.Random(1)
+    copied = [rng.randrange(100, 300) for _ in range(60)]
+    new = [rng.randrange(300, 500) for _ in range(80)]  # never seen: no lookup matches
+    # the prompt ends where its own start began: its continuation is the prompt, copied
+    script = Script(copied + copied[:2], copied[2:] + new, model_rate=0.7)
+    drafter, sched = policy(), scheduler()
+    choices = []
+    while len(script.request.output_ids) < len(script.truth) - 1:
+        choices.append((len(script.request.output_ids), script.step(drafter, sched)))
+    copying = [by for at, by in choices if at < len(copied) - 2 - K]
+    fresh = [by for at, by in choices if at > len(copied) + 16]
+    assert copying and all(by in ("ngram", "suffix") for by in copying), choices
+    assert fresh and fresh.count(MODEL) >= 0.8 * len(fresh), choices
+
+
+def test_a_drafter_at_zero_acceptance_is_dropped_within_a_few_steps_and_tried_again():
+    """No model; the text repeats a pattern whose continuation never matches: the free
+    drafters propose, nothing is accepted; the policy stops drafting within a few steps and,
+    as the estimates fade back toward the prior, tries again."""
+    rng = random.Random(2)
+    pattern = [rng.randrange(100, 300) for _ in range(8)]
+    truth = [rng.randrange(300, 500) if i % 2 else pattern[i % 8] for i in range(200)]
+    script = Script(pattern * 4, truth, model_rate=0.0)
+    drafter, sched = policy(model=False), scheduler()
+    choices = [script.step(drafter, sched) for _ in range(150)]
+    drafted = [i for i, by in enumerate(choices) if by != NONE]
+    assert drafted and drafted[0] < 3
+    first_stop = next(i for i, by in enumerate(choices) if by == NONE)
+    assert first_stop <= 6, choices  # dropped within a few steps
+    assert any(i > first_stop + 5 for i in drafted), choices  # and tried again later
+
+
+def test_a_request_may_name_one_drafter():
+    request = Request("r", [5, 6, 7, 5, 6], SamplingParams(speculative_method="ngram"), 0, 0.0)
+    drafter = policy()
+    assert drafter.host_drafts([FakeSeq(request)], K) == [[7, 5, 6]]  # type: ignore[list-item]
+    assert drafter.chosen == ["ngram"]
+    named = Request("r", [5, 6, 7, 5, 6], SamplingParams(speculative_method="none"), 0, 0.0)
+    assert drafter.host_drafts([FakeSeq(named)], K) == [[]]  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("model", [True, False], ids=["with-the-draft-model", "free-drafters"])
+async def test_auto_is_lossless_and_says_who_drafted(tiny_target, model):
+    """The tiny target drafting for itself as the model (its drafts all accepted) beside the
+    free drafters, or the free drafters alone, against plain decoding: the same tokens; usage
+    and /metrics count the drafts by drafter."""
+    prompts = [p * 3 for p in ragged_prompts(6, 300, seed=4)]  # repeats: lookups match
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    async with running(make_config(tiny_target)) as engine:
+        plain = await staggered(engine, prompts, params)
+    spec = {"adaptive_k": True, "hybrid_head": "draft" if model else "auto"}
+    config = make_config(tiny_target, "auto", tiny_target if model else None, k=4, spec_kw=spec)
+    async with running(config) as engine:
+        outs = [await engine.generate(p, params) for p in prompts]
+        text = engine.metrics.render()
+    assert [token_ids(o) for o in outs] == plain
+    by_drafter: dict[str, list[int]] = {}
+    for deltas in outs:
+        for name, (drafted, accepted) in deltas[-1].usage.by_drafter.items():
+            by_drafter.setdefault(name, [0, 0])
+            by_drafter[name][0] += drafted
+            by_drafter[name][1] += accepted
+    # the model's drafts are all accepted where it drafts: it pays most; alone, the lookups
+    assert (MODEL in by_drafter) == model
+    assert model or by_drafter.keys() & {"ngram", "suffix"}
+    for name, (drafted, _) in by_drafter.items():
+        line = f'tandem_spec_decode_drafter_tokens_total{{drafter="{name}",kind="proposed"}}'
+        assert f"{line} {float(drafted)}" in text
