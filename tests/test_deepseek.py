@@ -275,9 +275,10 @@ def test_moe_in_two_halves_and_by_expert_equals_one_gathered_pass(checkpoint):
         halves = moe(x)
         moe.micro_batches, moe.experts.gathered_max_tokens = 1, 0
         by_expert = moe(x)
-    # within 1e-5 of rows whose entries reach ~50: float32 rounding of other sums' orders
-    torch.testing.assert_close(halves, whole, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(by_expert, whole, rtol=1e-5, atol=1e-5)
+    # rows whose entries reach ~50 summed in other orders: float32 rounding, a few units of
+    # its last place at 50 (2.3e-5 seen where the products run on AVX-512 with AMX)
+    torch.testing.assert_close(halves, whole, rtol=1e-5, atol=5e-5)
+    torch.testing.assert_close(by_expert, whole, rtol=1e-5, atol=5e-5)
     assert whole.abs().max() > 0.1
 
 
