@@ -68,6 +68,22 @@ class Batch:
 
 
 @dataclass(frozen=True)
+class CatchUp:
+    """The committed tokens a draft model (Drafter.lazy_refill) runs over before it drafts or
+    refills in a step: the prompt whose prefill it deferred, the tokens of the steps whose
+    refill it skipped. Each sequence runs `length` of them, its window ending at `end` [B]: at
+    its last committed token where the window reaches back to the first token it lacks (a
+    sequence that lacks fewer rewrites KV it has), else `length` tokens on from that first one
+    (a long lag is caught up in chunks that fit the step's token budget). `lacking` [B]: the
+    first position whose draft KV is still not written after the window (None: none is); only
+    a sequence with none may be drafted by the model in the step."""
+
+    length: int
+    end: list[int]
+    lacking: list[int | None]
+
+
+@dataclass(frozen=True)
 class Plan:
     """One step, as decided on the host (stages/pack.py makes it; nothing changes it)."""
 
@@ -88,9 +104,9 @@ class Plan:
     # False: the drafter's refill is skipped, a lazy drafter's step that drafts no row (k = 0,
     # or a hybrid's rows all drafted by the suffix); it catches up later (Drafter.lazy_refill)
     drafter_refill: bool = True
-    # committed tokens per sequence the draft model runs over before it drafts or refills (the
-    # longest tail of KV a sequence lacks; 0: none lacks any)
-    catch_up: int = 0
+    # what the draft model runs over before it drafts or refills (None: no sequence lacks KV
+    # it needs this step)
+    catch_up: CatchUp | None = None
     # [B] the drafter of each sequence's drafts this step, where a policy chose among several
     # (--speculative auto: "model", "ngram", "suffix", "" for none); None: the one drafter
     drafted_by: list[str] | None = None
@@ -143,6 +159,7 @@ class DevicePlan:
     cached_rows: torch.Tensor  # [C]
     cached_positions: torch.Tensor  # [C]
     cached_ids: torch.Tensor  # [C]
+    catch_up_end: torch.Tensor  # [B] each sequence's catch-up window's last position (CatchUp)
     sampling: SamplingTensors  # the batch's sampling parameters, on the device
 
 

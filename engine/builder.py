@@ -118,10 +118,11 @@ def policy_prices(cost: CostModel | None) -> Prices:
     """The seconds of a one-row step by what it verifies, from the cost model's curves; with a
     fixed k (no cost model), every option the same: drafts whenever they give tokens."""
     if cost is None:
-        return Prices(free=lambda n: 1.0, model=lambda k: 1.0)
+        return Prices(free=lambda n: 1.0, model=lambda k: 1.0, catch_up=lambda n: 0.0)
     return Prices(
         free=lambda n: cost.step_seconds(1, n, drafted=False),
         model=lambda k: cost.step_seconds(1, k),
+        catch_up=cost.calibration.draft,
     )
 
 
@@ -246,6 +247,7 @@ class Builder:
             config.max_batch_tokens,
             lookahead,
             max_model_len,
+            defer_drafts=drafter.lazy_refill,
         )
         return Built(
             model=model,

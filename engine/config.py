@@ -565,7 +565,7 @@ class EngineConfig:
     @property
     def gguf(self) -> bool:
         """Whether the target is a GGUF file (the named models other than the demo are)."""
-        return self.model in (SMOLLM2, QWEN_CODER) or self.model.endswith(".gguf")
+        return self.model in (SMOLLM2, QWEN_CODER) or str(self.model).endswith(".gguf")
 
     @property
     def quantized(self) -> bool:

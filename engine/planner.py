@@ -15,7 +15,7 @@ import torch
 
 from core.params import SamplingTensors
 from core.request import Request
-from core.step import Batch, Plan, Sequence, StepKind
+from core.step import Batch, CatchUp, Plan, Sequence, StepKind
 from engine.cost import CostModel
 from engine.scheduler import Scheduler
 from stages.draft import Drafter
@@ -23,10 +23,6 @@ from stages.grammar import host_drafts
 from stages.pack import Packed, draft_cap, make_plan, pack
 
 log = logging.getLogger("tandem.engine")
-
-# the most committed tokens a draft model lets pass without its refill: its catch-up is one
-# forward of at most this many tokens per sequence (plus a step's), however long it idles
-MAX_LAG = 32
 
 
 class Planner:
@@ -66,7 +62,7 @@ class Planner:
         except Exception as error:  # noqa: BLE001 - a plan's fault fails requests, not the loop
             self._plan_failed(step, batch, error)
             return self.plan(step)  # at once, without the failed requests
-        self.scheduler.planned(batch, plan.emits, plan.drafter_refill)
+        self.scheduler.planned(batch, plan.emits, self._draft_from(batch.seqs, plan))
         self.record(
             step,
             "plan",
@@ -85,6 +81,14 @@ class Planner:
         k = self._draft_length(batch.seqs) if decode else 0
         # asked even where the cost model chose k = 0: a hybrid's suffix drafts cost no model
         drafts = self.drafter.host_drafts(batch.seqs, k) if decode and self.k else None
+        refill, catch_up = not self.drafter.lazy_refill, None  # a prefill's is deferred
+        if decode and self.drafter.lazy_refill:
+            # it runs in the steps it drafts a row of, catching up first, or to catch up
+            drafts, catch_up = self._catch_up(batch.seqs, k, drafts)
+            drafting = k > 0 and (drafts is None or any(d is None for d in drafts))
+            refill = drafting or catch_up is not None
+        elif decode:
+            refill = True
         if drafts is not None:  # a row of None: the drafter drafts it on the device
             drafts = [
                 d if d is None else self._with_grammar(s, d, max(k, len(d)))
@@ -92,14 +96,6 @@ class Planner:
             ]
             # no wider a step than its longest drafts
             k = max((k if d is None else len(d) for d in drafts), default=0)
-        refill, catch_up = True, 0
-        if decode and self.drafter.lazy_refill:
-            # it refills only in the steps it drafts a row of, or once a sequence lacks
-            # MAX_LAG tokens, catching up first
-            lag = self._lag(batch.seqs)
-            drafting = k > 0 and (drafts is None or any(d is None for d in drafts))
-            refill = drafting or lag >= MAX_LAG
-            catch_up = lag if refill else 0
         return make_plan(
             batch,
             step,
@@ -159,11 +155,34 @@ class Planner:
         self._sampling = (requests, tensors)
         return tensors
 
+    def _catch_up(
+        self, seqs: list[Sequence], k: int, drafts: list[list[int] | None] | None
+    ) -> tuple[list[list[int] | None] | None, CatchUp | None]:
+        """The draft model's catch-up for the rows it is to draft (the drafter plans it within
+        the step's token budget), and the drafts: a row still lacking KV after it drafts
+        nothing this step (its lag is caught up in chunks, over the next steps)."""
+        rows = drafts if drafts is not None else [None] * len(seqs)
+        by_model = [k > 0 and d is None for d in rows]
+        budget = self.scheduler.max_batch_tokens
+        catch_up = self.drafter.plan_catch_up(seqs, by_model, budget)
+        if catch_up is None or all(lack is None for lack in catch_up.lacking):
+            return drafts, catch_up
+        ready = [lack is None for lack in catch_up.lacking]
+        return [d if d is not None or r else [] for d, r in zip(rows, ready, strict=True)], catch_up
+
     @staticmethod
-    def _lag(seqs: list[Sequence]) -> int:
-        """How many committed tokens the draft model's KV lacks, at most over `seqs`."""
-        lags = [s.num_tokens - s.draft_from for s in seqs if s.draft_from is not None]
-        return max(lags, default=0)
+    def _draft_from(seqs: list[Sequence], plan: Plan) -> list[int | None]:
+        """Each sequence's first position whose draft-model KV is not written once the step
+        has run (Sequence.draft_from): what its catch-up leaves lacking, and where the step
+        skips the refill, its own tokens too."""
+        lacking = plan.catch_up.lacking if plan.catch_up is not None else None
+        after = []
+        for i, seq in enumerate(seqs):
+            lack = lacking[i] if lacking is not None else seq.draft_from
+            if not plan.drafter_refill and lack is None and plan.kind == StepKind.DECODE:
+                lack = seq.planned_tokens  # this step's tokens get no draft KV
+            after.append(lack)
+        return after
 
     def _draft_length(self, seqs: list[Sequence]) -> int:
         if self.cost is None:

@@ -27,6 +27,7 @@ class Scheduler:
         max_batch_tokens: int,
         lookahead: int,
         max_model_len: int,
+        defer_drafts: bool = False,  # a draft model defers its prefill (Drafter.lazy_refill)
     ):
         self.allocator = allocator
         self.page_size = page_size
@@ -34,6 +35,7 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.lookahead = lookahead  # slots a decode step writes past the committed tokens
         self.max_model_len = max_model_len
+        self.defer_drafts = defer_drafts
         self.waiting: deque[Request] = deque()
         self.running: list[Sequence] = []
         self.free_rows = list(range(max_running - 1, -1, -1))
@@ -64,18 +66,19 @@ class Scheduler:
         batch = self._schedule_decode(step, lookahead)
         return batch if batch.seqs else None
 
-    def planned(self, batch: Batch, emits: list[bool], drafter_refill: bool = True) -> None:
+    def planned(
+        self, batch: Batch, emits: list[bool], draft_from: list[int | None] | None = None
+    ) -> None:
         """The batch's step is planned: its prompt chunks count as prefilled, and the tokens
-        it will emit as pending until they are published; without the drafter's refill, the
-        draft model lacks their KV from there on (its catch-up, the next step it refills in,
-        writes it)."""
-        for seq, chunk, emitting in zip(batch.seqs, batch.chunks, emits, strict=True):
+        it will emit as pending until they are published; `draft_from` [B]: each sequence's
+        first position whose draft-model KV the step leaves unwritten (None: none)."""
+        for i, (seq, chunk, emitting) in enumerate(
+            zip(batch.seqs, batch.chunks, emits, strict=True)
+        ):
             seq.request.inflight += 1
             seq.num_prefilled += chunk
-            if drafter_refill:
-                seq.draft_from = None
-            elif seq.draft_from is None:
-                seq.draft_from = seq.planned_tokens
+            if draft_from is not None:
+                seq.draft_from = draft_from[i]
             seq.num_pending += int(emitting)
 
     def landed(self, seq: Sequence, emits: bool, emitted: int) -> None:
@@ -84,7 +87,8 @@ class Scheduler:
         seq.request.inflight -= 1
         seq.num_pending -= int(emits)
         if self.prefixes is not None and emitted and seq.num_tokens == len(seq.prefill_ids):
-            self.prefixes.insert(seq.prefill_ids, seq.table.pages)  # its prefill has run
+            # its prefill has run; the draft model's KV is written up to draft_from
+            self.prefixes.insert(seq.prefill_ids[: seq.draft_from], seq.table.pages)
         seq.num_tokens += emitted
 
     def observe(
@@ -159,6 +163,8 @@ class Scheduler:
             self.allocator.share(table.pages)
         cached = table.capacity
         seq = Sequence(request, table, self.free_rows.pop(), num_cached=cached)
+        if self.defer_drafts:  # a hit's pages hold the draft KV too (`release`, `landed`)
+            seq.draft_from = cached
         seq.prefill_ids = ids
         seq.num_tokens = len(ids)
         seq.num_prefilled = cached

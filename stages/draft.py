@@ -8,7 +8,7 @@ from typing import Any, Protocol
 import torch
 
 from core.params import SamplingTensors
-from core.step import DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
+from core.step import CatchUp, DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
 from models import native
 from models.attention import CausalAttention
 from stages.grammar import DraftWalk, GrammarWalk
@@ -143,6 +143,14 @@ class Drafter(Protocol):
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int: ...
 
+    def plan_catch_up(
+        self, seqs: list[Sequence], drafting: list[bool], budget: int
+    ) -> CatchUp | None:
+        """What a lazy drafter runs over before a decode step in which the model drafts the
+        rows `drafting` [B] marks: at most `budget` tokens in all, the rows it drafts first
+        (None: nothing to catch up, or a drafter that never lags)."""
+        ...
+
     def probe(self, num_tokens: int) -> None:
         """One forward of the drafter's network over `num_tokens` dummy tokens, outputs
         included, touching no KV (the cost model times it); nothing without a network."""
@@ -168,6 +176,11 @@ class NoDrafter:
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
         return 0
+
+    def plan_catch_up(
+        self, seqs: list[Sequence], drafting: list[bool], budget: int
+    ) -> CatchUp | None:
+        return None
 
     def probe(self, num_tokens: int) -> None:
         pass

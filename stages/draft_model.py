@@ -1,14 +1,15 @@
 """The draft-model drafter: a small LLM of the same tokenizer, in lockstep with the target.
 
-Its KV lives at the same page ids as the target's. Invariant between steps: the draft's KV
-covers every committed token and `deferred[row]` holds its logits for the next position, so
-the first draft token of a step costs no forward. Drafting writes the KV of its own drafts;
-a drafter that `follows_text` (the hybrid's, whose rows another drafter may have drafted)
-instead rewrites every committed token's at refill. It skips the refill of the steps it
-drafts no row of (Drafter.lazy_refill: the cost model's k = 0, or the hybrid's suffix drafted
-every row): the KV of their tokens is written in one forward over them, their ids from the
-token history (Plan.catch_up), before it next drafts, or refills once a sequence lacks
-MAX_LAG tokens (engine/planner.py).
+Its KV lives at the same page ids as the target's. It costs nothing until it drafts: a
+prompt's prefill is deferred, and the steps it drafts no row of (the cost model's k = 0, or
+another drafter drafted every row) skip its refill (Drafter.lazy_refill); what it lacks is
+caught up from the token history before it next drafts (Plan.catch_up, planned by
+`catch_up_window` within the step's token budget, in chunks where it lacks more). Invariant
+for a sequence it drafts: the draft's KV covers every committed token and `deferred[row]`
+holds its logits for the next position, so the first draft token of a step costs no forward.
+Drafting writes the KV of its own drafts; a drafter that `follows_text` (a hybrid's or a
+policy's, whose rows another drafter may have drafted) instead rewrites every committed
+token's at refill.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from core.attention_metadata import AttentionMetadata
-from core.step import DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
+from core.step import CatchUp, DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
 from kv.cache import KVCache
 from models.attention import Attention, AttentionBackend, CausalAttention
 from models.graphs import Forward
@@ -63,12 +64,12 @@ class DraftModelDrafter:
         return None
 
     def prefill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
-        self.model(out.input_ids, dev.positions, self._attention(dev.target_meta))
-        emit = dev.emit_index
-        if emit.numel():
-            # the sampled token goes into the draft's KV too; its logits wait for the decode
-            zero = torch.zeros_like(emit)
-            self._catch_up(dev, emit, None, verdict, zero)
+        pass  # deferred to the first step that drafts (Plan.catch_up)
+
+    def plan_catch_up(
+        self, seqs: list[Sequence], drafting: list[bool], budget: int
+    ) -> CatchUp | None:
+        return catch_up_window(seqs, drafting, budget)
 
     def propose(self, plan: Plan, dev: DevicePlan) -> Drafts:
         def step(token: torch.Tensor, state: None, j: int) -> tuple[torch.Tensor, None]:
@@ -118,17 +119,16 @@ class DraftModelDrafter:
         return ids.shape[1]
 
     def _catch_up_lag(self, plan: Plan, dev: DevicePlan) -> None:
-        """Once a step, before it drafts or refills: run the draft over each sequence's last
-        m = plan.catch_up committed tokens (positions base - m + 1 .. base, their ids from the
-        history) and defer the last one's logits: the KV of the tokens of skipped refills. A
-        sequence that lacks fewer rewrites KV it has (the same tokens at the same positions),
-        one shorter than m repeats its first token (position 0, the same KV written again).
-        Eager: m varies from step to step."""
-        m = plan.catch_up
-        if not m or self._caught_up == plan.step:
+        """Once a step, before it drafts or refills: run the draft over each sequence's
+        window of m = plan.catch_up.length committed tokens (positions end - m + 1 .. end,
+        their ids from the history) and defer the last one's logits. A sequence that lacks
+        fewer rewrites KV it has (the same tokens at the same positions), one shorter than m
+        repeats its first token (position 0, the same KV written again). Eager: m varies."""
+        if plan.catch_up is None or self._caught_up == plan.step:
             return
         self._caught_up = plan.step
-        positions = (dev.base[:, None] + torch.arange(1 - m, 1, device=dev.base.device)).clamp(0)
+        m, end = plan.catch_up.length, dev.catch_up_end
+        positions = (end[:, None] + torch.arange(1 - m, 1, device=end.device)).clamp(0)
         ids = self.history.tokens[dev.rows[:, None], positions]
         slots = dev.target_meta.kv_slots.gather(1, positions)
         small = drafter_metadata(dev, None, positions, slots)
@@ -173,3 +173,25 @@ class DraftModelDrafter:
 
     def _attention(self, meta: AttentionMetadata) -> Attention:
         return self.attention(meta, self.cache, self.model.config.num_heads)
+
+
+def catch_up_window(seqs: list[Sequence], drafting: list[bool], budget: int) -> CatchUp | None:
+    """The catch-up of a step (CatchUp) in which the model drafts the rows `drafting` marks:
+    as long as the longest lag of those rows, at most budget // B tokens a row (one
+    rectangular forward); None where none of them lacks KV."""
+    lags = [s.num_tokens - s.draft_from if s.draft_from is not None else 0 for s in seqs]
+    needed = [lag for lag, d in zip(lags, drafting, strict=True) if d]
+    if not any(needed):
+        return None
+    m = max(1, min(max(needed), budget // len(seqs)))
+    end: list[int] = []
+    lacking: list[int | None] = []
+    for seq, lag in zip(seqs, lags, strict=True):
+        if lag <= m:  # the window reaches back to the first position it lacks
+            end.append(seq.num_tokens - 1)
+            lacking.append(None)
+        else:  # a chunk: m tokens on from there
+            assert seq.draft_from is not None
+            end.append(seq.draft_from + m - 1)
+            lacking.append(seq.draft_from + m)
+    return CatchUp(m, end, lacking)

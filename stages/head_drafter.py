@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from core.attention_metadata import AttentionMetadata
-from core.step import DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
+from core.step import CatchUp, DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
 from kv.cache import KVCache
 from models.attention import Attention, AttentionBackend
 from models.eagle import Eagle3Head, EagleHead
@@ -72,6 +72,11 @@ class HeadDrafter:
 
     def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int] | None] | None:
         return None
+
+    def plan_catch_up(
+        self, seqs: list[Sequence], drafting: list[bool], budget: int
+    ) -> CatchUp | None:
+        return None  # a head reads the target's features: it never lags
 
     def probe(self, num_tokens: int) -> None:
         probe_head(self.head, num_tokens)

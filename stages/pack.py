@@ -15,7 +15,7 @@ import torch
 
 from core.attention_metadata import AttentionMetadata, SharedKeys
 from core.params import SamplingTensors
-from core.step import Batch, DevicePlan, Plan, Sequence, StepKind
+from core.step import Batch, CatchUp, DevicePlan, Plan, Sequence, StepKind
 from kv.table import build_csr
 from models.attention import paged_metadata
 
@@ -43,6 +43,7 @@ FIELDS = (
     "cached_rows",
     "cached_positions",
     "cached_ids",
+    "catch_up_end",
 )
 
 
@@ -55,7 +56,7 @@ def make_plan(
     host_drafts: list[list[int] | None] | None = None,
     unknown: list[int] | None = None,
     drafter_refill: bool = True,
-    catch_up: int = 0,
+    catch_up: CatchUp | None = None,
     drafted_by: list[str] | None = None,
 ) -> Plan:
     """The step's plan: `sampling` holds the batch's parameters; `host_drafts` [B][<= k] come
@@ -99,6 +100,7 @@ def make_plan(
         "cached_rows": c.cached_rows,
         "cached_positions": c.cached_positions,
         "cached_ids": c.cached_ids,
+        "catch_up_end": catch_up.end if catch_up is not None else [],
     }
     wanted = [n for s in batch.seqs if (n := s.request.params.logprobs) is not None]
     top_logprobs = max(wanted) if wanted else None
@@ -262,5 +264,6 @@ def unpack(plan: Plan, buffer: torch.Tensor, layout: dict[str, int]) -> DevicePl
         cached_rows=t["cached_rows"],
         cached_positions=t["cached_positions"],
         cached_ids=t["cached_ids"],
+        catch_up_end=t["catch_up_end"],
         sampling=plan.sampling.to(buffer.device),
     )

@@ -8,8 +8,10 @@ others: the scheduler updates the one that drafted and lets the others fade towa
 so that a drafter that stopped paying is tried again after a while) and each option's price,
 the cost model's curves for a one-row step: a free draft of n tokens costs the verify of n + 1
 rows, the model's k drafts the verify of k + 1 rows and its k forwards, nothing the verify of
-one row. The model's k is the cost model's choice for the batch (0: the model does not draft
-this step). Every choice is lossless because each drafter is: the target verifies whatever
+one row. A draft model that lacks a request's KV (its prefill deferred, refills skipped) first
+catches up: that forward is priced too, spread over the steps left to the request. The
+model's k is the cost model's choice for the batch (0: the model does not draft this step).
+Every choice is lossless because each drafter is: the target verifies whatever
 was proposed. A request may name one drafter alone (`speculative_method`).
 """
 
@@ -21,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from core.request import FREE_FORGET, AcceptanceRate, Request
-from core.step import DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
+from core.step import CatchUp, DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
 from stages.draft import Drafter, ngram_lookup
 from stages.suffix import SuffixDrafter
 
@@ -32,10 +34,12 @@ NONE = ""  # a row that drafts nothing
 @dataclasses.dataclass(frozen=True)
 class Prices:
     """Seconds of a one-row step: `free(n)` verifying n drafts proposed at no cost, `model(k)`
-    verifying k drafts of the model with its forwards (the cost model's curves)."""
+    verifying k drafts of the model with its forwards; `catch_up(n)` the model's forward over
+    n tokens it lacks (the cost model's curves)."""
 
     free: Callable[[int], float]
     model: Callable[[int], float]
+    catch_up: Callable[[int], float]
 
 
 def expected_tokens(rate: float, drafts: int) -> float:
@@ -82,12 +86,13 @@ class PolicyDrafter:
         """Each row's free draft, [] where it drafts nothing, None where the model drafts (k:
         the cost model's choice for the model)."""
         self.suffix.retire()
-        rows = [self._choose(seq.request, k) for seq in seqs]
+        rows = [self._choose(seq, k) for seq in seqs]
         self.chosen = [name for name, _ in rows]
         return [drafts for _, drafts in rows]
 
-    def _choose(self, request: Request, k: int) -> tuple[str, list[int] | None]:
-        """(who drafts the request's row, its drafts: None for the model's)."""
+    def _choose(self, seq: Sequence, k: int) -> tuple[str, list[int] | None]:
+        """(who drafts the sequence's row, its drafts: None for the model's)."""
+        request = seq.request
         named = request.params.speculative_method or "auto"
         free = self.free_drafts(request)
         if named in free:
@@ -97,7 +102,7 @@ class PolicyDrafter:
             return (MODEL, None) if named != "none" and model else (NONE, [])
         best: tuple[float, str, list[int] | None] = (1 / self.prices.free(0), NONE, [])
         if model:
-            best = max(best, (self._model_speed(request.acceptance, k), MODEL, None), key=_speed)
+            best = max(best, (self._model_speed(seq, k), MODEL, None), key=_speed)
         for name, tokens in free.items():
             estimate = request.free_rates.setdefault(name, AcceptanceRate(forget=FREE_FORGET))
             rate = estimate.rate
@@ -106,8 +111,14 @@ class PolicyDrafter:
         _, name, drafts = best
         return (name if drafts != [] else NONE), drafts
 
-    def _model_speed(self, acceptance: AcceptanceRate, k: int) -> float:
-        return expected_tokens(acceptance.rate, k) / self.prices.model(k)
+    def _model_speed(self, seq: Sequence, k: int) -> float:
+        """The model's expected tokens a second of a step, its catch-up's forward spread over
+        the steps the request has left."""
+        tokens = expected_tokens(seq.request.acceptance.rate, k)
+        lag = seq.num_tokens - seq.draft_from if seq.draft_from is not None else 0
+        left = seq.request.params.max_tokens - len(seq.request.output_ids)
+        catch_up = self.prices.catch_up(lag) * tokens / max(left, 1) if lag else 0.0
+        return tokens / (self.prices.model(k) + catch_up)
 
     def prefill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
         if self.model is not None:
@@ -116,8 +127,7 @@ class PolicyDrafter:
     def propose(self, plan: Plan, dev: DevicePlan) -> Drafts:
         """The model's drafts, the host's in the rows that have them (a host draft is a point
         mass, which a sampled batch's q says row by row)."""
-        firsts = plan.fields["host_drafts"][:: plan.k]  # the host's copy: no device read
-        if self.model is None or all(token >= 0 for token in firsts):
+        if self.model is None or MODEL not in (plan.drafted_by or ()):
             return Drafts(dev.host_drafts)
         host = dev.host_drafts[:, :1] >= 0  # [B, 1]: a free drafter drafted this row
         drafts = self.model.propose(plan, dev)
@@ -130,6 +140,13 @@ class PolicyDrafter:
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
         return self.model.refill(plan, dev, out, verdict) if self.model is not None else 0
+
+    def plan_catch_up(
+        self, seqs: list[Sequence], drafting: list[bool], budget: int
+    ) -> CatchUp | None:
+        if self.model is None:
+            return None
+        return self.model.plan_catch_up(seqs, drafting, budget)
 
     def probe(self, num_tokens: int) -> None:
         if self.model is not None:

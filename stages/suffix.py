@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from core.request import Request
-from core.step import DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
+from core.step import CatchUp, DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
 from stages.draft import Drafter, NoDrafter
 
 
@@ -238,6 +238,11 @@ class HybridDrafter:
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
         return self.head.refill(plan, dev, out, verdict)
+
+    def plan_catch_up(
+        self, seqs: list[Sequence], drafting: list[bool], budget: int
+    ) -> CatchUp | None:
+        return self.head.plan_catch_up(seqs, drafting, budget)
 
     def probe(self, num_tokens: int) -> None:
         self.head.probe(num_tokens)

@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 
 from core.params import InvalidRequest, SamplingParams
+from core.step import CatchUp
 from models.eagle import save_eagle_head
 from models.loader import load_model
 from models.mtp import save_mtp_head
@@ -99,7 +100,7 @@ async def test_the_draft_model_skips_the_suffix_steps_and_catches_up(tiny_target
     the draft model's refill, and the next step it drafts in first runs it over the tokens it
     missed; the output is plain decoding's. One request at a time: a batch's every row is
     rarely the suffix's."""
-    steps: list[tuple[bool, int]] = []  # each decode step's (drafter_refill, catch_up)
+    steps: list[tuple[bool, CatchUp | None]] = []  # each decode step's (refill, catch-up)
 
     def watch(stage, plan, dev):
         if stage == "verify" and plan.kind == "decode":
@@ -117,8 +118,8 @@ async def test_the_draft_model_skips_the_suffix_steps_and_catches_up(tiny_target
     plain = await serial(make_config(tiny_target))
     assert await serial(hybrid(tiny_target, heads["draft"], "draft", fault=watch)) == plain
     assert sum(not refill for refill, _ in steps) >= 3  # the suffix's steps
-    assert sum(catch_up > 0 for _, catch_up in steps) >= 2
-    assert all(refill for refill, catch_up in steps if catch_up)
+    assert sum(catch_up is not None for _, catch_up in steps) >= 2
+    assert all(refill for refill, catch_up in steps if catch_up is not None)
 
 
 @pytest.mark.parametrize("model", ["eagle", "draft"])

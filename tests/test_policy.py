@@ -7,6 +7,7 @@ and usage and /metrics say which drafter drafted what."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -20,7 +21,7 @@ from stages.suffix import SuffixDrafter
 from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
 
 # a verify of n + 1 rows costs 1 + 0.1 n; each model draft 0.05 more
-PRICES = Prices(free=lambda n: 1 + 0.1 * n, model=lambda k: 1 + 0.15 * k)
+PRICES = Prices(free=lambda n: 1 + 0.1 * n, model=lambda k: 1 + 0.15 * k, catch_up=lambda n: 0.0)
 K = 4
 
 
@@ -72,8 +73,13 @@ class Script:
 
 
 class FakeSeq:
+    """A sequence whose draft model's KV is complete."""
+
+    draft_from = None
+
     def __init__(self, request: Request):
         self.request = request
+        self.num_tokens = request.num_tokens
 
 
 def test_the_policy_turns_from_a_free_drafter_to_the_model_when_the_text_turns_new():
@@ -120,14 +126,16 @@ def test_a_request_may_name_one_drafter():
 
 @pytest.mark.parametrize("model", [True, False], ids=["with-the-draft-model", "free-drafters"])
 async def test_auto_is_lossless_and_says_who_drafted(tiny_target, model):
-    """The tiny target drafting for itself as the model (its drafts all accepted) beside the
-    free drafters, or the free drafters alone, against plain decoding: the same tokens; usage
-    and /metrics count the drafts by drafter."""
-    prompts = [p * 3 for p in ragged_prompts(6, 300, seed=4)]  # repeats: lookups match
+    """The tiny target drafting for itself as the model (its drafts all accepted, at a fixed k:
+    priced by the cost model, a draft model as slow as the target never pays) beside the free
+    drafters, or the free drafters alone under the cost model, against plain decoding: the
+    same tokens; usage and /metrics count the drafts by drafter."""
+    # repeats, where the lookups match, and text that does not repeat, where the model pays
+    prompts = [p * 3 for p in ragged_prompts(3, 300, seed=4)] + ragged_prompts(3, 300, seed=5)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     async with running(make_config(tiny_target)) as engine:
         plain = await staggered(engine, prompts, params)
-    spec = {"adaptive_k": True, "hybrid_head": "draft" if model else "auto"}
+    spec = {"adaptive_k": not model, "hybrid_head": "draft" if model else "auto"}
     config = make_config(tiny_target, "auto", tiny_target if model else None, k=4, spec_kw=spec)
     async with running(config) as engine:
         outs = [await engine.generate(p, params) for p in prompts]
@@ -139,9 +147,35 @@ async def test_auto_is_lossless_and_says_who_drafted(tiny_target, model):
             by_drafter.setdefault(name, [0, 0])
             by_drafter[name][0] += drafted
             by_drafter[name][1] += accepted
-    # the model's drafts are all accepted where it drafts: it pays most; alone, the lookups
-    assert (MODEL in by_drafter) == model
+    assert (MODEL in by_drafter) == model  # with it, its drafts (all accepted) pay the most
     assert model or by_drafter.keys() & {"ngram", "suffix"}
     for name, (drafted, _) in by_drafter.items():
         line = f'tandem_spec_decode_drafter_tokens_total{{drafter="{name}",kind="proposed"}}'
         assert f"{line} {float(drafted)}" in text
+
+
+async def test_a_request_kept_off_the_draft_model_never_runs_it(tiny_target, monkeypatch):
+    """The draft model costs nothing until it drafts: its prefill is deferred, so requests
+    that draft with n-gram alone (or nothing) run no draft-model forward at all."""
+    from stages.draft_model import DraftModelDrafter
+
+    forwards = 0
+    original = DraftModelDrafter.forward
+
+    def counted(self, ids, positions, meta):
+        nonlocal forwards
+        forwards += 1
+        return original(self, ids, positions, meta)
+
+    monkeypatch.setattr(DraftModelDrafter, "forward", counted)
+    spec = {"adaptive_k": False, "hybrid_head": "draft"}
+    config = make_config(tiny_target, "auto", tiny_target, k=4, spec_kw=spec)
+    async with running(config) as engine:
+        for method in ("ngram", "none"):
+            params = SamplingParams(
+                max_tokens=16, temperature=0, ignore_eos=True, speculative_method=method
+            )
+            await asyncio.gather(*(engine.generate(p * 2, params) for p in ragged_prompts(4, 300)))
+        assert forwards == 0
+        await engine.generate(ragged_prompts(1, 300, seed=9)[0], SamplingParams(max_tokens=8))
+        assert forwards > 0  # where it drafts, it runs

@@ -8,8 +8,8 @@ import itertools
 
 import pytest
 
-import engine.planner as planner_module
 from core.params import SamplingParams
+from core.step import CatchUp
 from engine.planner import Planner
 from models.eagle import save_eagle_head
 from models.loader import load_model
@@ -98,26 +98,30 @@ async def test_draft_model_accepts_its_own_output(tiny_target):
     assert refills == [0, 2, 2, 2, 2, 1]
 
 
+@pytest.mark.parametrize("budget", [512, 60], ids=["whole", "in-chunks"])
 async def test_a_draft_model_catches_up_exactly_after_steps_without_drafts(
-    tiny_target, prompts, monkeypatch
+    tiny_target, prompts, monkeypatch, budget
 ):
-    """The target drafting for itself, drafting nothing five steps in seven (as the cost
-    model's k = 0): those steps run no draft-model forward until a sequence lacks MAX_LAG
-    tokens (3 here), when the step refills after catching up; the next step that drafts
-    first runs it over the tokens it lacks. Every draft is still accepted, in a batch of rows
-    that missed different numbers of tokens too, and the output equals plain decoding."""
+    """The target drafting for itself, its prefill deferred, drafting nothing five steps in
+    seven (as the cost model's k = 0): those steps run no draft-model forward; the next step
+    that drafts first runs it over the tokens it lacks (the prompt, the skipped steps' tokens),
+    within the step's token budget: with a budget of 60 tokens (10 a row in a batch of six)
+    in chunks over several steps, drafting nothing until a row has caught up. Every draft is
+    still accepted, in a batch of rows that missed different numbers of tokens too, and the
+    output equals plain decoding."""
     plain = await one_by_one(tiny_target, prompts[:6])
     calls = itertools.count()
     pattern = lambda self, seqs: 0 if next(calls) % 7 < 5 else 4  # noqa: E731
     monkeypatch.setattr(Planner, "_draft_length", pattern)
-    monkeypatch.setattr(planner_module, "MAX_LAG", 3)
-    steps: list[tuple[int, bool, int]] = []  # each decode step's (k, drafter_refill, catch_up)
+    steps: list[tuple[int, bool, CatchUp | None]] = []  # each step's (k, refill, catch-up)
 
     def watch(stage, plan, dev):
         if stage == "verify" and plan.kind == "decode":
             steps.append((plan.k, plan.drafter_refill, plan.catch_up))
 
-    config = make_config(tiny_target, "draft", tiny_target, k=4, fault=watch)
+    config = make_config(
+        tiny_target, "draft", tiny_target, k=4, fault=watch, max_batch_tokens=budget
+    )
     async with running(config) as engine:
         alone = await engine.generate(prompts[0], GREEDY)
         together = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts[:6]))
@@ -127,9 +131,13 @@ async def test_a_draft_model_catches_up_exactly_after_steps_without_drafts(
     for deltas in [alone, *together]:
         usage = deltas[-1].usage
         assert usage.draft_tokens > 0 and usage.accepted_tokens == usage.draft_tokens
-    assert all(refill == (k > 0 or catch_up >= 3) for k, refill, catch_up in steps)
-    assert sum(k > 0 and catch_up > 0 for k, _, catch_up in steps) >= 3  # caught up to draft
-    assert sum(k == 0 and refill for k, refill, _ in steps) >= 3  # at the bound
+    assert all(refill == (k > 0 or c is not None) for k, refill, c in steps)
+    assert sum(k > 0 and c is not None for k, _, c in steps) >= 3  # caught up to draft
+    assert not any(refill for k, refill, c in steps if c is None and k == 0)
+    lengths = [c.length for _, _, c in steps if c is not None]
+    assert max(lengths) <= budget
+    if budget == 60:  # six rows' prompts are longer than 10 tokens: caught up in chunks
+        assert any(lack is not None for _, _, c in steps if c is not None for lack in c.lacking)
 
 
 async def one_by_one(target, prompts) -> list[list[int]]:
