@@ -100,14 +100,15 @@ class PolicyDrafter:
         model = self.model is not None and k > 0
         if named != "auto":  # the model, or none
             return (MODEL, None) if named != "none" and model else (NONE, [])
+        # at an equal speed, the option first in this order: nothing, then the drafts that
+        # cost no model forward
         best: tuple[float, str, list[int] | None] = (1 / self.prices.free(0), NONE, [])
-        if model:
-            best = max(best, (self._model_speed(seq, k), MODEL, None), key=_speed)
         for name, tokens in free.items():
             estimate = request.free_rates.setdefault(name, AcceptanceRate(forget=FREE_FORGET))
-            rate = estimate.rate
-            n, speed = best_length(rate, len(tokens), self.prices.free)
+            n, speed = best_length(estimate.rate, len(tokens), self.prices.free)
             best = max(best, (speed, name, tokens[:n]), key=_speed)
+        if model:
+            best = max(best, (self._model_speed(seq, k), MODEL, None), key=_speed)
         _, name, drafts = best
         return (name if drafts != [] else NONE), drafts
 

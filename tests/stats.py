@@ -49,7 +49,9 @@ def law_config(target: Any, method: str, drafter: Any, **kw: Any) -> EngineConfi
         page_size=4,
         max_running=N,
         max_waiting=N,
-        max_batch_tokens=len(PROMPT) * N,
+        # every prompt in one prefill; the draft model's deferred prefill and the first
+        # token caught up in the first decode step (its budget: the tokens a row lacks)
+        max_batch_tokens=(len(PROMPT) + 1) * N,
         max_model_len=16,
         **kw,
     )

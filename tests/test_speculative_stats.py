@@ -15,6 +15,7 @@ import asyncio
 import pytest
 
 from core.params import SamplingParams
+from stages.policy import PolicyDrafter
 from tests.engine_util import running, token_ids
 from tests.stats import PARAMS, PROMPT, TOKENS, VOCAB, N, assert_law, exact_joint, law_config
 from tests.tiny import write_model
@@ -66,3 +67,42 @@ def test_sampled_speculation_follows_target(models, sampled_drafts, seeded, draf
     observed = asyncio.run(sampled_joint(target, draft, sampled_drafts, seeded, draft_vocab))
     assert sum(observed.values()) == N
     assert_law(observed, expected, N)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("seeded", [False, True], ids=["rejection", "coupling"])
+@pytest.mark.slow
+def test_switching_drafters_within_a_request_follows_target(models, seeded, monkeypatch):
+    """--speculative auto switching drafters within requests: n-gram lookup's point masses
+    where the context repeats and the output so far has an even length, the draft model's
+    sampled q otherwise (a rule of the test's, as deterministic in the past tokens as the
+    policy's own, which tests/test_policy.py holds); the joint law is still the target's."""
+    target, draft = models
+
+    def alternate(self, seq, k):
+        lookup = self.free_drafts(seq.request)["ngram"]
+        if len(seq.request.output_ids) % 2 == 0 and lookup:
+            return "ngram", lookup
+        return "model", None
+
+    monkeypatch.setattr(PolicyDrafter, "_choose", alternate)
+    spec_kw = {"hybrid_head": "draft", "sampled_drafts": True}
+    config = law_config(target, "auto", draft, spec_kw=spec_kw)
+
+    async def run():
+        async with running(config) as engine:
+            return await asyncio.gather(
+                *(
+                    engine.generate(PROMPT, SamplingParams(seed=i if seeded else None, **PARAMS))
+                    for i in range(N)
+                )
+            )
+
+    outs = asyncio.run(run())
+    switched = [o for o in outs if len(o[-1].usage.by_drafter) > 1]
+    assert len(switched) > N // 10  # many requests drafted with both
+    observed: dict[tuple[int, ...], int] = {}
+    for out in outs:
+        key = tuple(token_ids(out))
+        observed[key] = observed.get(key, 0) + 1
+    assert_law(observed, exact_joint(target), N)
