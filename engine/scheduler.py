@@ -88,7 +88,7 @@ class Scheduler:
         seq.num_pending -= int(emits)
         if self.prefixes is not None and emitted and seq.num_tokens == len(seq.prefill_ids):
             # its prefill has run; the draft model's KV is written up to draft_from
-            self.prefixes.insert(seq.prefill_ids[: seq.draft_from], seq.table.pages)
+            self.prefixes.insert(seq.prefill_ids, seq.table.pages, seq.draft_from)
         seq.num_tokens += emitted
 
     def observe(
@@ -163,8 +163,9 @@ class Scheduler:
             self.allocator.share(table.pages)
         cached = table.capacity
         seq = Sequence(request, table, self.free_rows.pop(), num_cached=cached)
-        if self.defer_drafts:  # a hit's pages hold the draft KV too (`release`, `landed`)
-            seq.draft_from = cached
+        if self.defer_drafts:  # the draft model's KV: as far as the hit's pages hold it
+            prefixes = self.prefixes
+            seq.draft_from = prefixes.drafted_tokens(table.pages) if prefixes is not None else 0
         seq.prefill_ids = ids
         seq.num_tokens = len(ids)
         seq.num_prefilled = cached
@@ -215,8 +216,7 @@ class Scheduler:
             # its prompt has run; the KV of every committed token but the last is written
             # (the draft model's up to draft_from)
             end = seq.num_tokens - 1
-            if seq.draft_from is not None:
-                end = min(end, seq.draft_from)
-            self.prefixes.insert(seq.request.all_ids[:end], seq.table.pages)
+            drafted = None if seq.draft_from is None else min(end, seq.draft_from)
+            self.prefixes.insert(seq.request.all_ids[:end], seq.table.pages, drafted)
         seq.table.truncate(self.allocator, 0, after_step=max(seq.last_step, step - 1))
         self.free_rows.append(seq.row)

@@ -9,9 +9,10 @@ unreachable rather than wrong. A radix tree would also match inside a page; here
 a page boundary.
 
 A cached page holds every model's KV at its slots (the target's and a draft model's: one page
-id indexes each cache). Pages in use are counted by the allocator (kv/pages.py); a cached page
-no request uses is `idle`, kept in least-recently-used order and evicted when the allocator
-needs pages.
+id indexes each cache); a draft model that deferred its prefill may not have written its own
+yet, which the block says (`drafted`), so that a hit knows where the draft model must start.
+Pages in use are counted by the allocator (kv/pages.py); a cached page no request uses is
+`idle`, kept in least-recently-used order and evicted when the allocator needs pages.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Block:
     # the token after the block in the sequence that wrote its page (None: not yet known);
     # an EAGLE head keeps that token's pair at the block's last slot
     next_token: int | None = None
+    drafted: bool = False  # the draft model's KV of the page is written too
 
 
 class PrefixIndex:
@@ -63,10 +65,12 @@ class PrefixIndex:
         self.queried += queried
         self.hit += hit
 
-    def insert(self, ids: list[int], pages: list[int]) -> None:
+    def insert(self, ids: list[int], pages: list[int], drafted: int | None = None) -> None:
         """Cache the full blocks of `ids` held by `pages` (page j holds tokens j * ps ..);
-        a block cached already keeps its page."""
+        a block cached already keeps its page. `drafted`: how many leading tokens have the
+        draft model's KV written too (None: all of them)."""
         ps, parent = self.page_size, 0
+        drafted = len(ids) if drafted is None else drafted
         for j, page in enumerate(pages[: len(ids) // ps]):
             key = (parent, tuple(ids[j * ps : (j + 1) * ps]))
             block = self.blocks.get(key)
@@ -77,7 +81,18 @@ class PrefixIndex:
                 self.key_of[page] = key
             if block.page == page and block.next_token is None and len(ids) > (j + 1) * ps:
                 block.next_token = ids[(j + 1) * ps]
+            if block.page == page and drafted >= (j + 1) * ps:
+                block.drafted = True
             parent = block.id
+
+    def drafted_tokens(self, pages: list[int]) -> int:
+        """How many leading tokens of a hit's `pages` have the draft model's KV written."""
+        count = 0
+        for page in pages:
+            if not self.blocks[self.key_of[page]].drafted:
+                break
+            count += self.page_size
+        return count
 
     def holds(self, page: int) -> bool:
         return page in self.key_of
