@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import uvloop
 from aiohttp import web
 
+import page
 from api import (
     JSON,
     ApiError,
@@ -166,7 +167,8 @@ def auth(api_key: str) -> Callable[..., Awaitable[Any]]:
         # the scheme is case-insensitive (RFC 9110); the key is compared in constant time, so
         # that the comparison does not tell how much of it was right
         good = scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected)
-        if request.path != "/health" and request.method != "OPTIONS" and not good:
+        public = request.path == "/health" or page.is_public(request)
+        if not public and request.method != "OPTIONS" and not good:
             raise ApiError(
                 401,
                 "invalid or missing API key",
@@ -205,7 +207,7 @@ def browser_guard(options: ServerOptions) -> Callable[..., Awaitable[Any]]:
             host = ApiError(403, f"the Host {request.host!r} is not this server", code="bad_host")
             return error_response(host)
         origin = request.headers.get("Origin")
-        if origin is None:
+        if origin is None or page.is_same_origin(request, origin):
             return await handler(request)
         if origin not in allowed:
             refused = ApiError(403, f"the origin {origin!r} is not allowed", code="bad_origin")
@@ -407,6 +409,7 @@ def make_app(engine: Engine, options: ServerOptions) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    page.add_routes(app, app[MODEL], options.api_key is not None)
     return app
 
 

@@ -23,6 +23,7 @@ OURS = {
     "stages",
     "engine",
     "api",
+    "page",
     "server",
     "client",
     "train",
