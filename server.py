@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import uvloop
 from aiohttp import web
 
+import infill
 import page
 from api import (
     JSON,
@@ -371,6 +372,14 @@ async def stream_out(
     return response
 
 
+async def infill_completion(request: web.Request) -> web.StreamResponse:
+    """llama.cpp's /infill (infill.py), for editor plugins."""
+    engine, model = request.app[ENGINE], request.app[MODEL]
+    fields = infill.validate(await read_body(request))
+    job = await off_loop(infill.make_job, fields, engine, model)
+    return await infill.respond(request, engine, job, model)
+
+
 async def models(request: web.Request) -> web.Response:
     model = {
         "id": request.app[MODEL],
@@ -409,6 +418,7 @@ def make_app(engine: Engine, options: ServerOptions) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/infill", infill_completion)
     page.add_routes(app, app[MODEL], options.api_key is not None)
     return app
 

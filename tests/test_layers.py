@@ -24,6 +24,7 @@ OURS = {
     "engine",
     "api",
     "page",
+    "infill",
     "server",
     "client",
     "train",
