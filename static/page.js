@@ -58,9 +58,9 @@ class Figures {
     this.steps = 0;
   }
   add(speculation) {
-    this.tokens += speculation.tokens;
+    this.tokens += speculation.drafted.length;
     this.accepted += speculation.accepted;
-    this.steps += speculation.tokens > 0;
+    this.steps += speculation.drafted.length > 0;
     const seconds = (performance.now() - this.start) / 1000;
     $("tokens-per-second").textContent = (this.tokens / seconds).toFixed(1);
     $("accepted-per-step").textContent = (this.accepted / Math.max(this.steps, 1)).toFixed(2);
@@ -166,5 +166,6 @@ $("message").addEventListener("keydown", (event) => {
   }
 });
 $("stop").addEventListener("click", () => running && running.abort());
+$("api-key").addEventListener("change", pollMetrics);
 pollMetrics();
 setInterval(pollMetrics, 1000);
