@@ -161,11 +161,6 @@ class InfillJob:
     params: SamplingParams
     fields: JSON
 
-    @property
-    def warm_up(self) -> bool:
-        """n_predict 0: the context is computed (and cached) only; nothing is returned."""
-        return self.fields.get("n_predict") == 0
-
 
 def make_job(fields: JSON, engine: Engine, model: str) -> InfillJob:
     """The prompt and the sampling parameters (llama.cpp's defaults where a field is absent)."""
@@ -180,6 +175,7 @@ def make_job(fields: JSON, engine: Engine, model: str) -> InfillJob:
         )
     n_predict = fields.get("n_predict", -1)
     rest = engine.max_model_len - len(ids)
+    # 0 (a plugin's warm-up, to cache the context) yields one token, as llama.cpp's does
     max_tokens = rest if n_predict == -1 else min(max(n_predict, 1), rest)
     check_context(len(ids), max_tokens, engine.max_model_len)
     sampling = DEFAULTS | {k: fields[k] for k in DEFAULTS if k in fields}
@@ -254,12 +250,12 @@ class InfillReply:
         late = budget > 0 and (now - (self.first or now)) * 1000 > budget
         return late and "\n" in self.text[old:]
 
-    def chunk(self, content: str) -> JSON:
-        """A streamed partial result."""
+    def chunk(self, content: str, tokens: list[int] | None = None) -> JSON:
+        """A streamed partial result (its tokens' ids)."""
         return {
             "index": 0,
             "content": content,
-            "tokens": [],
+            "tokens": tokens or [],
             "stop": False,
             "id_slot": -1,
             "tokens_predicted": self.num_tokens,
@@ -267,10 +263,10 @@ class InfillReply:
         }
 
     def full(self, streamed: bool = False) -> JSON:
-        """The final result (its content already streamed, or none for a warm-up), cut to
+        """The final result (its content already streamed, or whole), cut to
         `response_fields` where the request names them."""
-        predicted = 0 if self.job.warm_up else self.num_tokens
-        body = self.chunk("" if self.job.warm_up or streamed else self.text) | {
+        predicted = self.num_tokens
+        body = self.chunk("" if streamed else self.text) | {
             "stop": True,
             "id_slot": 0,
             "model": self.model,
@@ -360,7 +356,7 @@ async def respond(
     reply = InfillReply(job, model, engine.tokenizer)
     deltas = engine.submit(job.prompt_ids, job.params, job.request_id)
     try:
-        if job.fields.get("stream", False) and not job.warm_up:
+        if job.fields.get("stream", False):
             return await stream_out(request, deltas, reply)
         async for delta in deltas:
             if delta.error is not None:
@@ -390,7 +386,7 @@ async def stream_out(
             sent = len(reply.text)
             done = reply.add(delta)
             if reply.text[sent:]:
-                await response.write(event(reply.chunk(reply.text[sent:])))
+                await response.write(event(reply.chunk(reply.text[sent:], delta.token_ids)))
             if done:
                 await response.write(event(reply.full(streamed=True)))
                 break

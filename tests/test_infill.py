@@ -18,70 +18,11 @@ from engine.config import EngineConfig, KVConfig, SpecConfig
 from engine.engine import AsyncEngine
 from models.tokenizer import Tokenizer
 from tests.fakes import served
+from tests.infill_bodies import LLAMA_VIM, LLAMA_VIM_WARM_UP, LLAMA_VSCODE, PREFIX, SUFFIX
 from tests.tiny import write_tokenizer
 
 FIXTURES = Path(__file__).parent / "infill_llamacpp.json"
 QWEN = Path.home() / ".cache" / "tandem" / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-PREFIX = "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n"
-SUFFIX = "\n\nclass Point:\n    pass\n"
-
-# the bodies the plugins send (read in their public source): llama.vim's completion and its
-# ring-buffer warm-up, llama.vscode's completion
-LLAMA_VIM = {
-    "input_prefix": PREFIX,
-    "input_suffix": SUFFIX,
-    "input_extra": [{"text": "x = 1\n", "time": [1733, 123], "filename": "a.py"}],
-    "prompt": "    ",
-    "n_predict": 12,
-    "n_indent": 4,
-    "top_k": 40,
-    "top_p": 0.99,
-    "stream": False,
-    "samplers": ["top_k", "top_p", "infill"],
-    "cache_prompt": True,
-    "t_max_prompt_ms": 500,
-    "t_max_predict_ms": 1500,
-    "response_fields": [
-        "content",
-        "timings/prompt_n",
-        "timings/prompt_ms",
-        "timings/predicted_n",
-        "timings/predicted_ms",
-        "truncated",
-        "tokens_cached",
-    ],
-}
-LLAMA_VIM_WARM_UP = {
-    "input_prefix": "",
-    "input_suffix": "",
-    "input_extra": [{"text": "x = 1\n", "time": [1733, 123], "filename": "a.py"}],
-    "prompt": "",
-    "n_predict": 0,
-    "temperature": 0.0,
-    "stream": False,
-    "samplers": [],
-    "cache_prompt": True,
-    "t_max_prompt_ms": 1,
-    "t_max_predict_ms": 1,
-    "response_fields": [""],
-}
-LLAMA_VSCODE = {
-    "id_slot": 0,
-    "input_prefix": PREFIX,
-    "input_suffix": SUFFIX,
-    "input_extra": [{"text": "y = 2\n", "time": 1733000000, "filename": "b.py"}],
-    "prompt": "    ",
-    "n_predict": 12,
-    "n_cmpl": 1,
-    "top_k": 40,
-    "top_p": 0.99,
-    "stream": False,
-    "samplers": ["top_k", "top_p", "infill"],
-    "cache_prompt": True,
-    "n_indent": 4,
-    "t_max_prompt_ms": 500,
-    "t_max_predict_ms": 2500,
-}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,9 +203,7 @@ async def test_a_warm_up_caches_the_context(tiny_target, n_predict):
         status, first = await post(url, "/infill", warm)
         assert status == 200, first
         assert first["timings"]["cache_n"] == 0
-        assert first["tokens_predicted"] == n_predict
-        if n_predict == 0:
-            assert first["content"] == ""
+        assert first["tokens_predicted"] == 1  # llama.cpp's too, for 0
         status, then = await post(url, "/infill", warm | {"n_predict": 4})
     cached = then["timings"]["cache_n"]
     # every whole page of the prompt, less the last token's (recomputed for its logits)
