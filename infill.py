@@ -21,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from api import JSON, ApiError, Engine, Tokenizer, check_context, check_model
+from api import JSON, ApiError, Engine, Tokenizer, check_model
 from core.params import INT32_MAX, SamplingParams
 from core.request import Delta, FinishReason
 
@@ -177,7 +177,6 @@ def make_job(fields: JSON, engine: Engine, model: str) -> InfillJob:
     rest = engine.max_model_len - len(ids)
     # 0 (a plugin's warm-up, to cache the context) yields one token, as llama.cpp's does
     max_tokens = rest if n_predict == -1 else min(max(n_predict, 1), rest)
-    check_context(len(ids), max_tokens, engine.max_model_len)
     sampling = DEFAULTS | {k: fields[k] for k in DEFAULTS if k in fields}
     stop = fields.get("stop", [])
     seed = fields.get("seed", -1)
@@ -221,10 +220,10 @@ class InfillReply:
         if delta.usage is not None:
             self.cached = delta.usage.cached_tokens
             self.drafted = delta.usage.draft_tokens, delta.usage.accepted_tokens
-        if delta.finish_reason is not None:
-            self.stop_type = self._stop_type(delta)
-        elif self._limited(old, now):
+        if self._limited(old, now):
             self.stop_type = "limit"
+        elif delta.finish_reason is not None:
+            self.stop_type = self._stop_type(delta)
         else:
             return False
         self.end = now

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -252,3 +253,31 @@ async def test_a_model_without_fill_in_the_middle_tokens_is_a_400(tiny_target):
     async with served(served_engine) as url:
         status, body = await post(url, "/infill", LLAMA_VSCODE)
     assert status == 400 and "fill-in-the-middle" in body["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("deltas", "fields", "text"),
+    [
+        (["x\n", "    y\n", "  z", " w"], {"n_indent": 4}, "x\n    y\n  "),
+        (["x\n    y\n  z"], {"n_indent": 4}, "x\n    y\n  "),
+        (["x\n", "    y"], {"n_indent": 4}, "x\n    y"),  # to the end: max_tokens
+        (["x\n", "y\n"], {"t_max_predict_ms": 1}, "x\n"),  # late at the first new line
+        (["x\n", "y\n"], {}, "x\ny\n"),
+    ],
+)
+def test_a_plugins_limits_end_the_output(deltas, fields, text, tokenizers):
+    """n_indent cuts before a line indented less; t_max_predict_ms ends at a new line once the
+    time is spent (llama.cpp's rules)."""
+    from core.params import SamplingParams
+    from core.request import Delta, FinishReason
+
+    job = infill.InfillJob("r", [1, 2], SamplingParams(max_tokens=len(deltas)), fields)
+    reply = infill.InfillReply(job, "m", tokenizers["repo"])
+    reply.first = time.monotonic() - 10  # generation began long ago: a time budget is spent
+    done = False
+    for i, piece in enumerate(deltas):
+        last = FinishReason.LENGTH if i == len(deltas) - 1 else None
+        done = reply.add(Delta("r", [5], piece, finish_reason=last))
+        if done:
+            break
+    assert done and reply.text == text and reply.stop_type == "limit"
