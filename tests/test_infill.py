@@ -6,7 +6,6 @@ drafter lossless, the warm-up that caches the context, streaming, and bad fields
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -33,8 +32,8 @@ QWEN = Path.home() / ".cache" / "tandem" / "models" / "qwen2.5-coder-0.5b-instru
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory) -> dict[str, Tokenizer]:
     root = tmp_path_factory.mktemp("tokenizers")
-    write_tokenizer(root / "repo")
-    write_tokenizer(root / "plain", repo=False)
+    write_tokenizer(root / "repo", repo=True)
+    write_tokenizer(root / "plain")
     return {"repo": Tokenizer(root / "repo"), "plain": Tokenizer(root / "plain")}
 
 
@@ -143,15 +142,6 @@ async def post(url: str, route: str, body: dict[str, Any]) -> tuple[int, Any]:
             return response.status, await response.json()
 
 
-@pytest.fixture(scope="module")
-def plain_target(tiny_target, tmp_path_factory) -> Path:
-    """The tiny target with a tokenizer without the repository markers (the same size)."""
-    directory = tmp_path_factory.mktemp("plain")
-    shutil.copytree(tiny_target, directory, dirs_exist_ok=True)
-    write_tokenizer(directory, repo=False)
-    return directory
-
-
 async def test_the_plugins_bodies_are_served(tiny_target):
     async with served(engine(tiny_target)) as url:
         status, vim = await post(url, "/infill", LLAMA_VIM)
@@ -169,9 +159,10 @@ async def test_the_plugins_bodies_are_served(tiny_target):
         assert (status, warm) == (200, {})  # response_fields [""] names nothing
 
 
-async def test_fill_in_the_middle_equals_completions_with_a_suffix(plain_target):
+async def test_fill_in_the_middle_equals_completions_with_a_suffix(tiny_target):
+    assert Tokenizer(tiny_target).fim_repo_ids == (None, None)  # no repository markers
     body = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 16, "temperature": 0}
-    async with served(engine(plain_target)) as url:
+    async with served(engine(tiny_target)) as url:
         status, filled = await post(url, "/infill", body)
         assert status == 200, filled
         completion = {"prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 16, "temperature": 0}

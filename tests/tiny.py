@@ -37,9 +37,10 @@ FIM = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]  # Qwen2.5-Coder's 
 REPO = ["<|repo_name|>", "<|file_sep|>"]  # ... and its repository-level ones
 
 
-def write_tokenizer(directory: Path, vocab_size: int = 320, repo: bool = True) -> int:
+def write_tokenizer(directory: Path, vocab_size: int = 320, repo: bool = False) -> int:
     """A byte-level BPE tokenizer trained on TEXT, with fill-in-the-middle markers (and the
-    repository-level ones where `repo`); returns its vocabulary size."""
+    repository-level ones where `repo`: /infill's prompt has them); returns its vocabulary
+    size."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
