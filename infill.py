@@ -318,15 +318,16 @@ class InfillReply:
 
 
 def indent_cut(text: str, n_indent: int, start: int = 0) -> int | None:
-    """Where llama.cpp's n_indent ends the text: at the first character of a line (after a
-    new line at or past `start`) whose indentation is less than n_indent; None if none."""
+    """Where llama.cpp's n_indent ends the text: at the first character (a new line too) of
+    a line (after a new line at or past `start`) whose indentation is less than n_indent;
+    None if none."""
     if n_indent <= 0:
         return None
     newline = text.find("\n", start)
     while newline >= 0:
         line = newline + 1
         body = len(text[line:]) - len(text[line:].lstrip(" \t"))
-        if line + body < len(text) and text[line + body] != "\n" and body < n_indent:
+        if line + body < len(text) and body < n_indent:  # an empty line too, as llama.cpp
             return line + body
         newline = text.find("\n", line)
     return None
