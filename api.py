@@ -8,6 +8,7 @@ request has produced into the completions and the chat bodies, whole or as strea
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import math
 import time
@@ -36,7 +37,7 @@ class Tokenizer(Protocol):
     @property
     def max_token_chars(self) -> int: ...  # a text of n characters has >= n / this tokens
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
     def token_bytes(self, token_id: int) -> bytes: ...
     def encode_chat(self, messages: list[dict[str, Any]], **extra: Any) -> list[int]: ...
     @property
@@ -46,6 +47,15 @@ class Tokenizer(Protocol):
     @property
     def fim_stop_ids(self) -> tuple[int, ...]: ...
     def encode_fill(self, prefix: str, suffix: str) -> list[int]: ...
+    def encode_text(self, text: str) -> list[int]: ...  # special-token spellings as text
+    @property
+    def fim_repo_ids(self) -> tuple[int | None, int | None]: ...
+    @property
+    def adds_bos(self) -> bool: ...
+    @property
+    def bos_token_id(self) -> int | None: ...
+    @property
+    def eos_token_id(self) -> int | None: ...
 
 
 class Metrics(Protocol):
@@ -231,6 +241,8 @@ COMMON_FIELDS: dict[str, tuple[Check, str]] = {
     "ignore_eos": (_bool, "a boolean"),
     "num_speculative_tokens": (_in(0, INT32), f"an integer in [0, {INT32}]"),
     "speculative_method": (_str, "a string: none or a drafter the server loaded"),
+    # ours: each streamed chunk tells who proposed each of its tokens (the page at / reads it)
+    "show_speculation": (_bool, "a boolean"),
     "logit_bias": (
         _logit_bias,
         f"an object of at most {MAX_LOGIT_BIAS_ENTRIES} token ids to numbers in [-100, 100]",
@@ -537,6 +549,7 @@ class Job:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     continuous_usage: bool  # stream_options.continuous_usage_stats: usage on every chunk
     tool: ToolChoice | None = None  # a forced tool call: the output is its arguments
+    show_speculation: bool = False  # a "speculation" field on each chunk
 
 
 def make_job(
@@ -552,6 +565,7 @@ def make_job(
         include_usage=options.get("include_usage", False),
         continuous_usage=options.get("continuous_usage_stats", False),
         tool=structured_output(fields)[1],
+        show_speculation=fields.get("show_speculation", False),
     )
 
 
@@ -595,6 +609,7 @@ class Reply(ABC):
         self.finish: FinishReason | None = None
         self.error: str | None = None
         self.final_usage: Usage | None = None
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # the spans' text
 
     def add(self, delta: Delta) -> None:
         self.text.append(delta.text)
@@ -623,7 +638,28 @@ class Reply(ABC):
         body = self.envelope(self.object_chunk, [self.chunk_choice(delta, finish)])
         if self.job.continuous_usage:
             body["usage"] = usage_body(self.usage)
+        if self.job.show_speculation:
+            body["speculation"] = self.speculation(delta)
         return body
+
+    def speculation(self, delta: Delta) -> JSON:
+        """Who proposed each of the chunk's tokens (a drafter's name where the target accepted
+        its draft, null for the target's own), how many were accepted drafts (a chunk is one
+        step's output), and the chunk's text as spans marked so."""
+        drafted = delta.drafted or [None] * len(delta.token_ids)
+        accepted = sum(d is not None for d in drafted)
+        return {"drafted": drafted, "accepted": accepted, "spans": self.spans(delta, drafted)}
+
+    def spans(self, delta: Delta, drafted: list[str | None]) -> list[JSON]:
+        """The text, token by token (a character split across tokens goes with the token that
+        completes it); where that is not the text sent (a stop string held back, a special
+        token), the whole text, marked only if all its tokens were one drafter's."""
+        pieces = [self.utf8.decode(self.tokenizer.token_bytes(t)) for t in delta.token_ids]
+        if "".join(pieces) == delta.text:
+            return [{"text": p, "drafter": d} for p, d in zip(pieces, drafted, strict=True) if p]
+        self.utf8.reset()
+        same = drafted[0] if len(set(drafted)) == 1 else None
+        return [{"text": delta.text, "drafter": same}] if delta.text else []
 
     def usage_chunk(self) -> JSON:
         return self.envelope(self.object_chunk, []) | {"usage": usage_body(self.usage)}

@@ -25,6 +25,8 @@ from typing import Any, TypeVar
 import uvloop
 from aiohttp import web
 
+import infill
+import page
 from api import (
     JSON,
     ApiError,
@@ -166,7 +168,8 @@ def auth(api_key: str) -> Callable[..., Awaitable[Any]]:
         # the scheme is case-insensitive (RFC 9110); the key is compared in constant time, so
         # that the comparison does not tell how much of it was right
         good = scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected)
-        if request.path != "/health" and request.method != "OPTIONS" and not good:
+        public = request.path == "/health" or page.is_public(request)
+        if not public and request.method != "OPTIONS" and not good:
             raise ApiError(
                 401,
                 "invalid or missing API key",
@@ -205,7 +208,7 @@ def browser_guard(options: ServerOptions) -> Callable[..., Awaitable[Any]]:
             host = ApiError(403, f"the Host {request.host!r} is not this server", code="bad_host")
             return error_response(host)
         origin = request.headers.get("Origin")
-        if origin is None:
+        if origin is None or page.is_same_origin(request, origin):
             return await handler(request)
         if origin not in allowed:
             refused = ApiError(403, f"the origin {origin!r} is not allowed", code="bad_origin")
@@ -369,6 +372,14 @@ async def stream_out(
     return response
 
 
+async def infill_completion(request: web.Request) -> web.StreamResponse:
+    """llama.cpp's /infill (infill.py), for editor plugins."""
+    engine, model = request.app[ENGINE], request.app[MODEL]
+    fields = infill.validate(await read_body(request))
+    job = await off_loop(infill.make_job, fields, engine, model)
+    return await infill.respond(request, engine, job, model)
+
+
 async def models(request: web.Request) -> web.Response:
     model = {
         "id": request.app[MODEL],
@@ -407,6 +418,8 @@ def make_app(engine: Engine, options: ServerOptions) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/infill", infill_completion)
+    page.add_routes(app, app[MODEL], options.api_key is not None)
     return app
 
 

@@ -106,6 +106,9 @@ class Delta:
     finish_reason: FinishReason | None = None
     error: str | None = None  # set with FinishReason.ERROR
     usage: Usage | None = None  # set on the last delta
+    # per token of token_ids: the drafter that proposed it and the target accepted, None for
+    # the target's own (a step's last token, and every token of a step that did not draft)
+    drafted: list[str | None] | None = None
 
 
 @dataclass

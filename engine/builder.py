@@ -220,6 +220,7 @@ class Builder:
         if spec.method == "auto":
             drafter = PolicyDrafter(
                 drafter if spec.drafting_model != "none" else None,
+                spec.drafting_model,
                 SuffixDrafter(),
                 (spec.ngram_min, spec.ngram_max),
                 spec.num_speculative_tokens,

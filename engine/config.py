@@ -332,6 +332,12 @@ class SpecConfig:
         return ("none", self.method) if self.method != "none" else ("none",)
 
     @property
+    def drafter_names(self) -> tuple[str, str]:
+        """The names of what drafts a step's rows on the device and on the host (a hybrid's
+        host half is suffix decoding), as the stream reports who proposed each token."""
+        return self.drafting_model, "suffix" if self.method == "hybrid" else self.method
+
+    @property
     def keeps_cache(self) -> bool:
         """Whether the drafter keeps a KV cache of its own (a draft model or a head)."""
         return self.drafting_model in MODEL_DRAFTERS

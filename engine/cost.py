@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -34,8 +36,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from models.attention import CausalAttention
+
+log = logging.getLogger("tandem.cost")
 
 FACTOR_SMOOTHING = 0.1  # weight of a new measurement in a correction factor
 
@@ -62,7 +67,12 @@ class Curve:
 LINEAR_FROM = 64
 
 
-def measure_curve(forward: Callable[[int], object], sizes: list[int], repeats: int = 3) -> Curve:
+def measure_curve(
+    forward: Callable[[int], object],
+    sizes: list[int],
+    repeats: int = 3,
+    progress: Callable[[], object] = lambda: None,  # called after each size
+) -> Curve:
     """The fastest of `repeats` timings of `forward(n)` for each n in sizes (after a warm-up
     call; one timing and no warm-up past LINEAR_FROM), made non-decreasing: more tokens never
     cost less, and a machine busy with other work only ever adds time."""
@@ -77,6 +87,7 @@ def measure_curve(forward: Callable[[int], object], sizes: list[int], repeats: i
             forward(n)
             times.append(time.perf_counter() - start)
         seconds.append(max([min(times), *seconds[-1:]]))
+        progress()
     return Curve(list(sizes), seconds)
 
 
@@ -189,11 +200,21 @@ def build_cost_model(
         drafter.probe(num_tokens)
         _wait(device)
 
-    with torch.inference_mode():
+    sizes = calibration_sizes(max_rows * (k_max + 1)), calibration_sizes(max_rows)
+    log.info("measuring the cost model's curves (a first start's; kept in %s)", path)
+    start = time.perf_counter()
+    bar = tqdm(
+        total=sum(map(len, sizes)),
+        desc="cost model",
+        unit="size",
+        disable=not sys.stderr.isatty(),  # a log gets the two lines
+    )
+    with torch.inference_mode(), bar:
         calibration = Calibration(
-            measure_curve(verify, calibration_sizes(max_rows * (k_max + 1))),
-            measure_curve(draft, calibration_sizes(max_rows)),
+            measure_curve(verify, sizes[0], progress=bar.update),
+            measure_curve(draft, sizes[1], progress=bar.update),
         )
+    log.info("measured the cost model's curves in %.1f s", time.perf_counter() - start)
     if path:
         calibration.save(path)
     return CostModel(calibration, k_max, drafter.lazy_refill)

@@ -94,6 +94,7 @@ class AsyncEngine:
             self.metrics,
             self.cost,
             ended=self._wake.set,
+            drafters=config.spec.drafter_names,
         )
         self.outputs = self.publisher.outputs  # live requests, by id
         self.supervisor = Supervisor(

@@ -58,6 +58,7 @@ class Publisher:
         metrics: EngineMetrics,
         cost: CostModel | None,
         ended: Callable[[], None],  # a request ended: its pages may let a waiting one in
+        drafters: tuple[str, str] = ("", ""),  # what drafts on the device, and on the host
     ):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -65,6 +66,7 @@ class Publisher:
         self.metrics = metrics
         self.cost = cost
         self.ended = ended
+        self.drafters = drafters
         self.outputs: dict[str, OutputStream] = {}
         self.streams: dict[str, RequestStream] = {}
         self._last_publish = time.monotonic()
@@ -103,6 +105,7 @@ class Publisher:
                 output.count_cached(seq.num_cached)
             tokens = outcome.tokens[i][:emitted]
             delta = output.add(tokens, _logprobs(outcome, i, emitted, seq))
+            delta.drafted = self._drafted(plan, i, outcome.accepted[i])[: len(delta.token_ids)]
             self._observe_latency(output, len(delta.token_ids), now)
             if (stream := self.streams.get(delta.request_id)) is not None:
                 deliveries.append((stream, delta))
@@ -113,6 +116,17 @@ class Publisher:
         self.metrics.observe_step(now - self._last_publish, plan.k if decode else None)
         self._last_publish = now
         return deliveries
+
+    def _drafted(self, plan: Plan, i: int, accepted: int) -> list[str | None]:
+        """Who proposed each token sequence i emitted: its accepted drafts, then the target's
+        own token (the drafter a policy chose, else by where the row was drafted: a host
+        draft fills the row's first slot of `host_drafts`)."""
+        if not plan.k or not accepted:
+            return [None]
+        if plan.drafted_by is not None:
+            return [plan.drafted_by[i] or None] * accepted + [None]
+        host = plan.fields["host_drafts"][i * plan.k] >= 0
+        return [self.drafters[host]] * accepted + [None]
 
     @staticmethod
     def deliver(deliveries: list[Delivery]) -> None:

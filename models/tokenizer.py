@@ -32,6 +32,11 @@ FIM_SPELLINGS = (
 )
 
 
+# a repository's name and a file's start, around the other files of a fill in the middle
+# (llama.cpp's FIM_REP and FIM_SEP, found by these spellings)
+FIM_REPO = ("<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")
+FIM_FILE = ("<|file_separator|>", "<|file_sep|>", "<file_sep>")
+
 FIM_STOPS = ("<|endoftext|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
 
 
@@ -133,6 +138,19 @@ class Tokenizer:
         head = self.encode(prefix, add_special_tokens=False)
         tail = self.encode(suffix, add_special_tokens=False)
         return [start, *head, middle, *tail, end]
+
+    @functools.cached_property
+    def fim_repo_ids(self) -> tuple[int | None, int | None]:
+        """The repository-name and file-separator markers, each None where the vocabulary
+        has no such special token."""
+        repo = next((self.specials[s] for s in FIM_REPO if s in self.specials), None)
+        file = next((self.specials[s] for s in FIM_FILE if s in self.specials), None)
+        return repo, file
+
+    def encode_text(self, text: str) -> list[int]:
+        """The text's ids with special-token spellings as the characters they are (code an
+        editor sends is text)."""
+        return _encode(self._literal, text)
 
     @functools.cached_property
     def fim_stop_ids(self) -> tuple[int, ...]:

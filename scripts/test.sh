@@ -5,5 +5,5 @@ cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/mypy core engine stages kv models server.py client.py api.py structured.py
+.venv/bin/mypy core engine stages kv models server.py client.py api.py page.py infill.py structured.py
 .venv/bin/python -m pytest -q "$@"

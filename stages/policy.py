@@ -27,7 +27,6 @@ from core.step import CatchUp, DevicePlan, Drafts, Plan, Sequence, TargetOutput,
 from stages.draft import Drafter, ngram_lookup
 from stages.suffix import SuffixDrafter
 
-MODEL = "model"  # the name under which a row the model drafts is counted
 NONE = ""  # a row that drafts nothing
 
 
@@ -62,12 +61,13 @@ class PolicyDrafter:
     def __init__(
         self,
         model: Drafter | None,
+        model_name: str,  # what the model is (draft, eagle, mtp): its rows' name
         suffix: SuffixDrafter,
         ngram: tuple[int, int],  # n-gram lookup's shortest and longest suffix
         max_k: int,  # the most tokens of a free draft
         prices: Prices,
     ):
-        self.model, self.suffix, self.ngram = model, suffix, ngram
+        self.model, self.model_name, self.suffix, self.ngram = model, model_name, suffix, ngram
         self.max_k, self.prices = max_k, prices
         self.target_layers = model.target_layers if model is not None else ()
         self.leader_only = model.leader_only if model is not None else False
@@ -99,7 +99,7 @@ class PolicyDrafter:
             return named, free[named]
         model = self.model is not None and k > 0
         if named != "auto":  # the model, or none
-            return (MODEL, None) if named != "none" and model else (NONE, [])
+            return (self.model_name, None) if named != "none" and model else (NONE, [])
         # at an equal speed, the option first in this order: nothing, then the drafts that
         # cost no model forward
         best: tuple[float, str, list[int] | None] = (1 / self.prices.free(0), NONE, [])
@@ -108,7 +108,7 @@ class PolicyDrafter:
             n, speed = best_length(estimate.rate, len(tokens), self.prices.free)
             best = max(best, (speed, name, tokens[:n]), key=_speed)
         if model:
-            best = max(best, (self._model_speed(seq, k), MODEL, None), key=_speed)
+            best = max(best, (self._model_speed(seq, k), self.model_name, None), key=_speed)
         _, name, drafts = best
         return (name if drafts != [] else NONE), drafts
 
@@ -128,7 +128,7 @@ class PolicyDrafter:
     def propose(self, plan: Plan, dev: DevicePlan) -> Drafts:
         """The model's drafts, the host's in the rows that have them (a host draft is a point
         mass, which a sampled batch's q says row by row)."""
-        if self.model is None or MODEL not in (plan.drafted_by or ()):
+        if self.model is None or self.model_name not in (plan.drafted_by or ()):
             return Drafts(dev.host_drafts)
         host = dev.host_drafts[:, :1] >= 0  # [B, 1]: a free drafter drafted this row
         drafts = self.model.propose(plan, dev)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TREES = ("core", "engine", "stages", "kv", "models", "bench", "train", "tests", "scripts")
-FILES = ("server.py", "api.py", "client.py", "structured.py", "setup.py")
+FILES = ("server.py", "api.py", "page.py", "infill.py", "client.py", "structured.py", "setup.py")
 LONGEST = 80  # lines a function may take
 
 

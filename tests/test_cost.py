@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 import time
 from dataclasses import replace
 
@@ -134,7 +136,8 @@ def test_calibration_file_round_trip(tmp_path):
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
 
-def test_engine_calibrates_saves_and_reloads(tiny_target, tiny_draft, tmp_path):
+def test_engine_calibrates_saves_and_reloads(tiny_target, tiny_draft, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="tandem.cost")
     path = tmp_path / "calibration.json"
     config = make_config(
         tiny_target,
@@ -147,8 +150,13 @@ def test_engine_calibrates_saves_and_reloads(tiny_target, tiny_draft, tmp_path):
     async def main():
         async with running(config) as engine:
             first = engine.cost.calibration
+        # the first start says, in a log, that it measures and when it is done
+        measuring = [r.message for r in caplog.records if r.name == "tandem.cost"]
+        assert measuring[0].startswith("measuring the cost model's curves")
+        assert re.fullmatch(r"measured the cost model's curves in [\d.]+ s", measuring[1])
         async with running(config) as engine:
             assert engine.cost.calibration == first  # loaded, not measured again
+        assert len([r for r in caplog.records if r.name == "tandem.cost"]) == 2
 
     asyncio.run(main())
     saved = json.loads(path.read_text())
@@ -217,6 +225,13 @@ def test_engine_drafts_less_when_drafts_are_rejected(tiny_target, tiny_draft, mo
 
 def test_measured_curves_never_fall():
     durations = {1: 0.002, 2: 0.008, 4: 0.003}  # 4 tokens seemingly cheaper than 2
-    curve = measure_curve(lambda n: time.sleep(durations[n]), [1, 2, 4], repeats=2)
+    measured: list[int] = []
+    curve = measure_curve(
+        lambda n: time.sleep(durations[n]),
+        [1, 2, 4],
+        repeats=2,
+        progress=lambda: measured.append(1),
+    )
+    assert len(measured) == 3  # a progress bar's tick per size
     assert curve.tokens == [1, 2, 4]
     assert curve.seconds[0] >= 0.002 and curve.seconds[2] >= curve.seconds[1] >= 0.008

@@ -19,12 +19,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import infill
 from engine.config import EngineConfig, KVConfig, SpecConfig
 from engine.engine import AsyncEngine
 from server import ServerOptions, start_server
 
-C, CHAT = "/v1/completions", "/v1/chat/completions"
+C, CHAT, INFILL = "/v1/completions", "/v1/chat/completions", "/infill"
 USER = [{"role": "user", "content": "hi"}]
+NEAR_VALID: dict[str, dict[str, Any]] = {
+    C: {"prompt": [1, 2]},
+    CHAT: {"messages": USER},
+    INFILL: {"input_prefix": "def f(", "input_suffix": ")"},
+}
 
 
 class Served:
@@ -328,6 +334,7 @@ FIELDS = sorted(
     | {"stop", "stop_token_ids", "logit_bias", "logprobs", "top_logprobs", "n", "echo", "stream"}
     | {"presence_penalty", "repetition_penalty", "num_speculative_tokens", "ignore_eos"}
     | {"max_completion_tokens", "response_format", "tools", "user", "stream_options", "suffix"}
+    | {"show_speculation", *infill.FIELDS}
 )
 EXTREME_INTS = [
     0,
@@ -381,11 +388,11 @@ bodies = st.dictionaries(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
-@given(body=bodies, route=st.sampled_from([C, CHAT]), keep=st.booleans())
+@given(body=bodies, route=st.sampled_from([C, CHAT, INFILL]), keep=st.booleans())
 def test_generated_bodies_never_break_the_server(served, body, route, keep):
     if keep:  # half the bodies are near-valid: the route's required field present and sane
-        body = {"prompt": [1, 2]} | body if route == C else {"messages": USER} | body
-        body["max_tokens"] = 4
+        body = NEAR_VALID[route] | body
+        body["n_predict" if route == INFILL else "max_tokens"] = 4
         body.pop("stream", None)
     text = json.dumps(body, allow_nan=True).encode(errors="surrogatepass")
     status, _, answer = served.request(route, text, KEY)

@@ -23,6 +23,8 @@ OURS = {
     "stages",
     "engine",
     "api",
+    "page",
+    "infill",
     "server",
     "client",
     "train",

@@ -16,13 +16,14 @@ from core.params import SamplingParams
 from core.request import Request
 from engine.scheduler import Scheduler
 from kv.pages import PageAllocator
-from stages.policy import MODEL, NONE, PolicyDrafter, Prices
+from stages.policy import NONE, PolicyDrafter, Prices
 from stages.suffix import SuffixDrafter
 from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
 
 # a verify of n + 1 rows costs 1 + 0.1 n; each model draft 0.05 more
 PRICES = Prices(free=lambda n: 1 + 0.1 * n, model=lambda k: 1 + 0.15 * k, catch_up=lambda n: 0.0)
 K = 4
+MODEL = "draft"  # the rows the draft model drafts are named by what it is
 
 
 class NoModel:
@@ -34,7 +35,7 @@ class NoModel:
 
 
 def policy(model: bool = True) -> PolicyDrafter:
-    return PolicyDrafter(NoModel() if model else None, SuffixDrafter(), (1, 4), K, PRICES)  # type: ignore[arg-type]
+    return PolicyDrafter(NoModel() if model else None, MODEL, SuffixDrafter(), (1, 4), K, PRICES)  # type: ignore[arg-type]
 
 
 def scheduler() -> Scheduler:

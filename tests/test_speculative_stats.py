@@ -83,7 +83,7 @@ def test_switching_drafters_within_a_request_follows_target(models, seeded, monk
         lookup = self.free_drafts(seq.request)["ngram"]
         if len(seq.request.output_ids) % 2 == 0 and lookup:
             return "ngram", lookup
-        return "model", None
+        return self.model_name, None
 
     monkeypatch.setattr(PolicyDrafter, "_choose", alternate)
     spec_kw = {"hybrid_head": "draft", "sampled_drafts": True}

@@ -34,17 +34,19 @@ CHAT_TEMPLATE = (
 
 
 FIM = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]  # Qwen2.5-Coder's markers
+REPO = ["<|repo_name|>", "<|file_sep|>"]  # ... and its repository-level ones
 
 
-def write_tokenizer(directory: Path, vocab_size: int = 320) -> int:
-    """A byte-level BPE tokenizer trained on TEXT, with fill-in-the-middle markers; returns
-    its vocabulary size."""
+def write_tokenizer(directory: Path, vocab_size: int = 320, repo: bool = False) -> int:
+    """A byte-level BPE tokenizer trained on TEXT, with fill-in-the-middle markers (and the
+    repository-level ones where `repo`: /infill's prompt has them); returns its vocabulary
+    size."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", *FIM],
+        special_tokens=["<|endoftext|>", *FIM, *(REPO if repo else [])],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(TEXT, trainer)
