@@ -8,6 +8,7 @@ and usage and /metrics say which drafter drafted what."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -180,3 +181,22 @@ async def test_a_request_kept_off_the_draft_model_never_runs_it(tiny_target, mon
         assert forwards == 0
         await engine.generate(ragged_prompts(1, 300, seed=9)[0], SamplingParams(max_tokens=8))
         assert forwards > 0  # where it drafts, it runs
+
+
+def test_a_catch_up_fits_the_step_budget_and_chunks_a_long_lag():
+    """The draft model's catch-up (stages/draft_model.py catch_up_window): as long as the
+    longest lag of the rows it drafts, within the budget a row; a longer lag in chunks."""
+    from stages.draft_model import catch_up_window
+
+    @dataclasses.dataclass
+    class Lagging:
+        num_tokens: int
+        draft_from: int | None
+
+    rows = [Lagging(20, 17), Lagging(30, None), Lagging(50, 10)]  # lags 3, 0, 40
+    assert catch_up_window(rows, [False, True, False], 30) is None  # its row lacks nothing
+    window = catch_up_window(rows, [True, True, True], 30)
+    assert window is not None and window.length == 10  # 30 tokens over 3 rows
+    assert window.end == [19, 29, 19] and window.lacking == [None, None, 20]
+    whole = catch_up_window(rows, [True, False, False], 300)
+    assert whole is not None and whole.length == 3 and whole.lacking == [None, None, 13]

@@ -256,3 +256,14 @@ def spy_on_drafts(engine) -> list:
 
     engine.drafter.propose = spy
     return drafted
+
+
+def test_a_block_says_whether_the_draft_models_kv_is_written():
+    """A draft model that deferred its prefill: a hit knows where the draft model's own KV
+    ends (and a page inserted again once that KV is written says so)."""
+    index = PrefixIndex(4)
+    index.insert(list(range(12)), [5, 6, 7], drafted=5)  # the draft's KV of tokens 0..4
+    pages = index.match(list(range(13)), 12)
+    assert pages == [5, 6, 7] and index.drafted_tokens(pages) == 4
+    index.insert(list(range(12)), [5, 6, 7])
+    assert index.drafted_tokens(pages) == 12
