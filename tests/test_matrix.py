@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from core.params import Grammar, SamplingParams
@@ -33,6 +34,7 @@ from tests.engine_util import (
     running,
     token_ids,
 )
+from tests.fakes import served
 from tests.tiny import write_qwen2_pair
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -230,3 +232,17 @@ def test_combinations_that_cannot_work_are_refused_at_start(flags, named, capsys
         return
     with pytest.raises(ValueError, match=named):
         AsyncEngine(config)
+
+
+@pytest.mark.slow
+async def test_float16_with_every_drafter_answers_over_http(paths):
+    """What CUDA users run, on the CPU: `--dtype float16` with each drafter, served; every
+    completion answered (it was a 500 with the draft model's catch-up)."""
+    for drafter in DRAFTERS:
+        config = engine_config(FAMILIES["demo"], "float16", drafter, paths)
+        async with served(AsyncEngine(config)) as url, aiohttp.ClientSession() as session:
+            body = {"prompt": "def add(a, b):", "max_tokens": 24, "temperature": 0}
+            async with session.post(url + "/v1/completions", json=body) as response:
+                assert response.status == 200, (drafter, await response.text())
+                answer = await response.json()
+        assert answer["usage"]["completion_tokens"] == 24, drafter
