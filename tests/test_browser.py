@@ -152,7 +152,9 @@ def test_enter_streams_an_answer_with_the_accepted_drafts_marked(driver, server)
     answer = driver.find_element(By.CSS_SELECTOR, ".message.assistant")
     assert driver.find_element(By.CSS_SELECTOR, ".message.user").text == QUESTION
     assert answer.text.strip()
-    assert {e.get_attribute("data-drafter") for e in drafted()} == {"draft"}
+    # the demo's default policy drafts with its draft model, n-gram or suffix decoding
+    names = {e.get_attribute("data-drafter") for e in drafted()}
+    assert names and names <= {"draft", "ngram", "suffix"}, names
     assert float(driver.find_element(By.ID, "tokens-per-second").text) > 0
     assert float(driver.find_element(By.ID, "accepted-per-step").text) > 0
     assert driver.find_element(By.ID, "error").get_attribute("hidden") is not None
