@@ -74,12 +74,13 @@ class PolicyDrafter:
         self.lazy_refill = model.lazy_refill if model is not None else False
         self.chosen: list[str] | None = None  # the last plan's drafter of each row
 
-    def free_drafts(self, request: Request) -> dict[str, list[int]]:
-        """What each free drafter proposes for the request, up to max_k tokens."""
+    def free_drafts(self, request: Request) -> dict[str, Callable[[], list[int]]]:
+        """What each free drafter would propose for the request, up to max_k tokens (asked
+        only where it may pay: a lookup costs host time every step)."""
         lo, hi = self.ngram
         return {
-            "ngram": ngram_lookup(request.all_ids, self.max_k, lo, hi),
-            "suffix": self.suffix.propose_for(request, self.max_k).tokens,
+            "ngram": lambda: ngram_lookup(request.all_ids, self.max_k, lo, hi),
+            "suffix": lambda: self.suffix.propose_for(request, self.max_k).tokens,
         }
 
     def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int] | None] | None:
@@ -96,19 +97,24 @@ class PolicyDrafter:
         named = request.params.speculative_method or "auto"
         free = self.free_drafts(request)
         if named in free:
-            return named, free[named]
+            return named, free[named]()
         model = self.model is not None and k > 0
         if named != "auto":  # the model, or none
             return (self.model_name, None) if named != "none" and model else (NONE, [])
         # at an equal speed, the option first in this order: nothing, then the drafts that
         # cost no model forward
         best: tuple[float, str, list[int] | None] = (1 / self.prices.free(0), NONE, [])
-        for name, tokens in free.items():
+        model_speed = self._model_speed(seq, k) if model else 0.0
+        for name, propose in free.items():
             estimate = request.free_rates.setdefault(name, AcceptanceRate(forget=FREE_FORGET))
+            _, bound = best_length(estimate.rate, self.max_k, self.prices.free)
+            if bound <= best[0] or bound < model_speed:  # not even a full draft would win
+                continue
+            tokens = propose()
             n, speed = best_length(estimate.rate, len(tokens), self.prices.free)
             best = max(best, (speed, name, tokens[:n]), key=_speed)
         if model:
-            best = max(best, (self._model_speed(seq, k), self.model_name, None), key=_speed)
+            best = max(best, (model_speed, self.model_name, None), key=_speed)
         _, name, drafts = best
         return (name if drafts != [] else NONE), drafts
 

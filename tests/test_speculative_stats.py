@@ -80,7 +80,7 @@ def test_switching_drafters_within_a_request_follows_target(models, seeded, monk
     target, draft = models
 
     def alternate(self, seq, k):
-        lookup = self.free_drafts(seq.request)["ngram"]
+        lookup = self.free_drafts(seq.request)["ngram"]()
         if len(seq.request.output_ids) % 2 == 0 and lookup:
             return "ngram", lookup
         return self.model_name, None
