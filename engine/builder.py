@@ -219,7 +219,7 @@ class Builder:
             cost = build_cost_model(model, drafter, config.max_running, k, path)
         if spec.method == "auto":
             drafter = PolicyDrafter(
-                drafter if spec.drafting_model != "none" else None,
+                drafter,
                 spec.drafting_model,
                 SuffixDrafter(),
                 (spec.ngram_min, spec.ngram_max),
@@ -394,8 +394,6 @@ class Builder:
         if spec.method == "draft":
             return self._draft_model(spec, target, attention, num_pages, history)
         if spec.method == "auto":  # its model (PolicyDrafter adds the free drafters)
-            if spec.drafting_model == "none":
-                return NoDrafter()
             return self.drafter(
                 replace(spec, method=spec.drafting_model),
                 target,

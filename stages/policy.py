@@ -1,6 +1,6 @@
 """`--speculative auto`: each request drafts, each step, with whatever it expects to give the
 most tokens per second of the step: a drafter with no model (n-gram, suffix decoding), the
-model (a draft model or an EAGLE or MTP head, where one is at hand), or nothing.
+model (a draft model or an EAGLE or MTP head), or nothing.
 
 The choice is made on the host at plan time, row by row, from the request's own measured
 acceptance of each drafter (Request.acceptance for the model, Request.free_rates for the
@@ -56,11 +56,11 @@ def best_length(rate: float, proposed: int, price: Callable[[int], float]) -> tu
 
 class PolicyDrafter:
     """The drafts of whatever pays, per request and step (the module docstring). `model`: the
-    draft model or head that drafts on the device (None: the free drafters alone)."""
+    draft model or head that drafts on the device."""
 
     def __init__(
         self,
-        model: Drafter | None,
+        model: Drafter,
         model_name: str,  # what the model is (draft, eagle, mtp): its rows' name
         suffix: SuffixDrafter,
         ngram: tuple[int, int],  # n-gram lookup's shortest and longest suffix
@@ -69,9 +69,9 @@ class PolicyDrafter:
     ):
         self.model, self.model_name, self.suffix, self.ngram = model, model_name, suffix, ngram
         self.max_k, self.prices = max_k, prices
-        self.target_layers = model.target_layers if model is not None else ()
-        self.leader_only = model.leader_only if model is not None else False
-        self.lazy_refill = model.lazy_refill if model is not None else False
+        self.target_layers = model.target_layers
+        self.leader_only = model.leader_only
+        self.lazy_refill = model.lazy_refill
         self.chosen: list[str] | None = None  # the last plan's drafter of each row
 
     def free_drafts(self, request: Request) -> dict[str, Callable[[], list[int]]]:
@@ -98,7 +98,7 @@ class PolicyDrafter:
         free = self.free_drafts(request)
         if named in free:
             return named, free[named]()
-        model = self.model is not None and k > 0
+        model = k > 0
         if named != "auto":  # the model, or none
             return (self.model_name, None) if named != "none" and model else (NONE, [])
         # at an equal speed, the option first in this order: nothing, then the drafts that
@@ -128,13 +128,12 @@ class PolicyDrafter:
         return tokens / (self.prices.model(k) + catch_up)
 
     def prefill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
-        if self.model is not None:
-            self.model.prefill(plan, dev, out, verdict)
+        self.model.prefill(plan, dev, out, verdict)
 
     def propose(self, plan: Plan, dev: DevicePlan) -> Drafts:
         """The model's drafts, the host's in the rows that have them (a host draft is a point
         mass, which a sampled batch's q says row by row)."""
-        if self.model is None or self.model_name not in (plan.drafted_by or ()):
+        if self.model_name not in (plan.drafted_by or ()):
             return Drafts(dev.host_drafts)
         host = dev.host_drafts[:, :1] >= 0  # [B, 1]: a free drafter drafted this row
         drafts = self.model.propose(plan, dev)
@@ -146,18 +145,15 @@ class PolicyDrafter:
         return dataclasses.replace(drafts, tokens=tokens, probs=probs)
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
-        return self.model.refill(plan, dev, out, verdict) if self.model is not None else 0
+        return self.model.refill(plan, dev, out, verdict)
 
     def plan_catch_up(
         self, seqs: list[Sequence], drafting: list[bool], budget: int
     ) -> CatchUp | None:
-        if self.model is None:
-            return None
         return self.model.plan_catch_up(seqs, drafting, budget)
 
     def probe(self, num_tokens: int) -> None:
-        if self.model is not None:
-            self.model.probe(num_tokens)
+        self.model.probe(num_tokens)
 
 
 def _speed(option: tuple[float, str, list[int] | None]) -> float:
