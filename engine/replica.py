@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ class Status:
     """A replica's state, as the endpoint's /health and /metrics report it."""
 
     replica: str  # Ray Serve's id of the replica
+    pid: int  # its process
     metrics: str  # its engine's Prometheus text
     failure: str | None  # why its engine stopped serving; None while it serves
 
@@ -56,7 +58,8 @@ class EngineReplica:
         return Described(engine.model_name, engine.max_model_len, engine.vocab_size)
 
     def status(self, **hints: Any) -> Status:
-        return Status(self.replica, self.engine.metrics.render(), self.engine.failure)
+        engine = self.engine
+        return Status(self.replica, os.getpid(), engine.metrics.render(), engine.failure)
 
     def check_health(self) -> None:
         """Ray Serve's health check: a replica whose engine stopped serving is replaced."""
