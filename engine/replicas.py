@@ -284,5 +284,7 @@ def deployment(
         graceful_shutdown_timeout_s=shutdown_s,
         health_check_period_s=2.0,
         health_check_timeout_s=30.0,
+        # a log line a call would cost each request's stream CPU time
+        logging_config={"log_level": "WARNING", "enable_access_log": False},
     )
     return made(EngineReplica).bind(config, replicas.threads)
