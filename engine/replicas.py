@@ -3,9 +3,10 @@ engine (api.Engine), over Serve deployment handles.
 
 Ray starts, places and restarts the replicas (engine/replica.py); our router (engine/router.py)
 picks a replica for each call, inside Ray's routing. What this adds: a request whose replica
-refused it as full is sent to another, and one whose replica died before it delivered a token
-is sent again; one whose replica died after ends with an error delta. /health and /metrics
-speak for every replica, from their statuses fetched each REFRESH_S.
+refused it (full, or its engine stopped) is sent to another, and one whose replica died before
+it delivered a token is sent again; one whose replica died after, or that no replica took,
+ends with an error delta (the server has begun a stream's answer by then). /health and
+/metrics speak for every replica, from their statuses fetched each REFRESH_S.
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ class Replicas:
         queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
         task = asyncio.create_task(self._call(ids, params, request_id, queue.put_nowait))
         self._streams[request_id] = task
-        task.add_done_callback(lambda t: queue.put_nowait(_ended(t, request_id)))
+        task.add_done_callback(lambda t: queue.put_nowait(_ended(t)))
         try:
             while not isinstance(item := await queue.get(), BaseException):
                 yield item
@@ -178,7 +179,7 @@ class Replicas:
     ) -> None:
         avoid: list[str] = []
         error: Exception = Overloaded("every replica is full")
-        for _attempt in range(self.replicas.replicas + 1):
+        for _ in range(self.replicas.replicas + 1):
             replica, delivered = None, False
             call = self.handle.options(stream=True).generate
             items = cast(
@@ -194,18 +195,17 @@ class Replicas:
                         delivered = True
                         put(delta)
                 return
-            except Overloaded as e:
-                avoid.append(replica or "")  # full: another replica, if one is not
+            except (Overloaded, EngineFailed) as e:
+                avoid.append(replica or "")  # another replica, if one is not full or failed
                 error = e
             except RayActorError as e:  # the replica died, or Ray cannot reach it
+                error = e
                 if delivered:  # the client has some of its tokens: they cannot be taken back
-                    put(_lost(request_id, replica, e))
-                    return
+                    break
                 log.warning(
                     "replica %s lost request %s before its first token", replica, request_id
                 )
-                error = EngineFailed(f"the replicas serving this request stopped: {e}")
-        raise error
+        put(_failed(request_id, replica, error))
 
     # ---- health and metrics ----
 
@@ -229,18 +229,22 @@ class Replicas:
 
     async def _status(self, replica: str) -> Status:
         async with asyncio.timeout(STATUS_TIMEOUT_S):
-            return await self.handle.status.options().remote(pin=replica)
+            return await self.handle.status.remote(pin=replica)
 
 
-def _ended(task: asyncio.Task, request_id: str) -> BaseException:
+def _ended(task: asyncio.Task) -> BaseException:
     """What a request's call left, as its stream's last item."""
     if task.cancelled():
         return StopAsyncIteration()
     return task.exception() or StopAsyncIteration()
 
 
-def _lost(request_id: str, replica: str | None, error: BaseException) -> Delta:
-    message = f"the replica serving this request ({replica}) stopped: {type(error).__name__}"
+def _failed(request_id: str, replica: str | None, error: BaseException) -> Delta:
+    """The last delta of a request that no replica finished."""
+    if isinstance(error, RayActorError):
+        message = f"the replica serving this request ({replica}) stopped: {type(error).__name__}"
+    else:
+        message = f"no replica took this request: {error}"
     return Delta(request_id, [], "", finish_reason=FinishReason.ERROR, error=message)
 
 
