@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -105,7 +106,20 @@ async def chats(url: str, args: argparse.Namespace) -> dict[str, Any]:
         "later_turns_first_token_p50_s": percentile(later, 50),
         "seconds": seconds,
         "turns": len(every),
+        "turns_by_replica": await turns_by_replica(url),
     }
+
+
+async def turns_by_replica(url: str) -> dict[str, float]:
+    """Each replica's finished requests, from /metrics (nothing for one server)."""
+    await asyncio.sleep(2.0)  # the endpoint's /metrics is up to a second old
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
+        text = await response.text()
+    found: dict[str, float] = {}
+    pattern = r'^tandem_requests_finished_total\{reason="\w+",replica="(\w+)"\} (\S+)$'
+    for replica, value in re.findall(pattern, text, re.MULTILINE):
+        found[replica] = found.get(replica, 0.0) + float(value)
+    return found
 
 
 async def batch_one(url: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -55,9 +55,12 @@ class Replicas:
         self.app = f"tandem-{os.getpid()}"  # one per endpoint, on a cluster shared by several
         self.started_ray = connect(replicas)
         serve.start(proxy_location="Disabled")  # the endpoint is ours: no Serve HTTP proxy
-        self.handle = serve.run(
-            deployment(config, replicas, shutdown_s), name=self.app, route_prefix=None
-        )
+        try:
+            made = deployment(config, replicas, shutdown_s)
+            self.handle = serve.run(made, name=self.app, route_prefix=None)
+        except Exception:  # a replica that cannot start: leave no application behind
+            serve.delete(self.app)
+            raise
         described: Described = self.handle.describe.remote().result()
         self.model_name, self.max_model_len = described.model_name, described.max_model_len
         self.vocab_size = described.vocab_size
