@@ -191,10 +191,10 @@ def system_prompt(chat: int) -> str:
 
 async def routed_first_token_s(url: str, messages: list[dict[str, str]]) -> float:
     """A chat request through the endpoint: the seconds to its first token."""
+    start, first = time.monotonic(), None
     stream = await openai(url).chat.completions.create(
         model="tandem-demo", messages=messages, max_tokens=4, temperature=0, stream=True
     )
-    start, first = time.monotonic(), None
     async for chunk in stream:
         if first is None and chunk.choices and chunk.choices[0].delta.content:
             first = time.monotonic() - start
