@@ -92,7 +92,7 @@ class ServerOptions:
         metavar="S",
     )
     # its own flags: engine replicas on Ray Serve behind this server (engine/replicas.py)
-    replicas: ReplicasConfig = dataclasses.field(default_factory=ReplicasConfig)
+    cluster: ReplicasConfig = dataclasses.field(default_factory=ReplicasConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -487,12 +487,12 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, S
     try:
         spec, kv = from_options(SpecConfig, parsed), from_options(KVConfig, parsed)
         config = from_options(EngineConfig, parsed, spec=spec, kv=kv)
-        options = from_options(ServerOptions, parsed, replicas=from_options(ReplicasConfig, parsed))
+        options = from_options(ServerOptions, parsed, cluster=from_options(ReplicasConfig, parsed))
     except ValueError as e:
         parser.error(str(e))
-    if options.replicas.replicas and config.tensor_parallel_size > 1:
+    if options.cluster.replicas and config.tensor_parallel_size > 1:
         parser.error("--replicas with --tensor-parallel-size: each replica is one process")
-    if options.replicas.replicas and importlib.util.find_spec("ray") is None:
+    if options.cluster.replicas and importlib.util.find_spec("ray") is None:
         parser.error("--replicas runs on Ray Serve: install the extra, pip install -e '.[cluster]'")
     if config.spec.draft is not None and config.spec.method in MODELLESS:
         parser.error(f"--draft is not used with --speculative {config.spec.method}")
@@ -526,10 +526,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine = AsyncEngine(config, group)
         elif size > 1:
             engine, workers = start_leader(config)
-        elif options.replicas.replicas:
+        elif options.cluster.replicas:
             from engine.replicas import Replicas  # Ray: only where replicas are asked for
 
-            engine = replicas = Replicas(config, options.replicas, options.shutdown_timeout_s)
+            engine = replicas = Replicas(config, options.cluster, options.shutdown_timeout_s)
         else:
             engine = AsyncEngine(config)
     except (OSError, ValueError, RuntimeError) as e:
