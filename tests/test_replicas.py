@@ -184,9 +184,9 @@ async def served_by(url: str, replicas: Any, request: Any) -> tuple[str, Any]:
 
 
 def system_prompt(chat: int) -> str:
-    """A long system prompt of its own for each chat (about 1,200 tokens)."""
+    """A long system prompt of its own for each chat (about 1,650 tokens)."""
     words = ["castle", "river", "king", "stone", "green", "light", "forest", "gate", "song"]
-    return f"Chat {chat}. " + " ".join(words[(chat + i * i) % len(words)] for i in range(450))
+    return f"Chat {chat}. " + " ".join(words[(chat + i * i) % len(words)] for i in range(650))
 
 
 async def routed_first_token_s(url: str, messages: list[dict[str, str]]) -> float:
