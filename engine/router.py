@@ -112,6 +112,8 @@ class Hints(RequestRouter):
 
 
 class PrefixRouter(Hints):
+    """To the replica holding the prompt's deepest prefix while it is not overloaded."""
+
     def initialize_state(self, **kwargs: Any) -> None:
         """From RequestRouterConfig.request_router_kwargs: `block`, the engine's page size,
         `imbalance` and the index's `capacity` in keys."""
