@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hmac
+import importlib.util
 import ipaddress
 import json
 import logging
@@ -49,6 +51,7 @@ from engine.config import (
     MODELLESS,
     EngineConfig,
     KVConfig,
+    ReplicasConfig,
     SpecConfig,
     add_options,
     from_options,
@@ -90,6 +93,8 @@ class ServerOptions:
         flag="--read-timeout-seconds",
         metavar="S",
     )
+    # its own flags: engine replicas on Ray Serve behind this server (engine/replicas.py)
+    cluster: ReplicasConfig = dataclasses.field(default_factory=ReplicasConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -484,6 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(parser, SpecConfig, "speculative decoding")
     add_options(parser, KVConfig, "KV cache")
     add_options(parser, ServerOptions, "server")
+    add_options(parser, ReplicasConfig, "replicas (Ray Serve)")
     return parser
 
 
@@ -494,9 +500,13 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, S
     try:
         spec, kv = from_options(SpecConfig, parsed), from_options(KVConfig, parsed)
         config = from_options(EngineConfig, parsed, spec=spec, kv=kv)
-        options = from_options(ServerOptions, parsed)
+        options = from_options(ServerOptions, parsed, cluster=from_options(ReplicasConfig, parsed))
     except ValueError as e:
         parser.error(str(e))
+    if options.cluster.replicas and config.tensor_parallel_size > 1:
+        parser.error("--replicas with --tensor-parallel-size: each replica is one process")
+    if options.cluster.replicas and importlib.util.find_spec("ray") is None:
+        parser.error("--replicas runs on Ray Serve: install the extra, pip install -e '.[cluster]'")
     if config.spec.draft is not None and config.spec.method in MODELLESS:
         parser.error(f"--draft is not used with --speculative {config.spec.method}")
     if config.device.startswith("cuda") and not _cuda_available():
@@ -517,7 +527,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from engine.engine import AsyncEngine
     from engine.worker import leave, serve_rank, start_leader
 
-    size, workers = config.tensor_parallel_size, None
+    size, workers, replicas = config.tensor_parallel_size, None, None
+    engine: Engine
     try:
         if size > 1 and (joined := parallel.from_environment(size)) is not None:
             rank, address = joined  # torchrun started every rank; it watches them
@@ -528,6 +539,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine = AsyncEngine(config, group)
         elif size > 1:
             engine, workers = start_leader(config)
+        elif options.cluster.replicas:
+            from engine.replicas import Replicas  # Ray: only where replicas are asked for
+
+            engine = replicas = Replicas(config, options.cluster, options.shutdown_timeout_s)
         else:
             engine = AsyncEngine(config)
     except (OSError, ValueError, RuntimeError) as e:
@@ -538,6 +553,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if workers is not None:
             leave(workers)
+        if replicas is not None:  # the Serve application goes, even after a failure
+            replicas.close()
 
 
 if __name__ == "__main__":

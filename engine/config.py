@@ -602,3 +602,51 @@ class EngineConfig:
         cuda, half = self.device.startswith("cuda"), self.torch_dtype != "float32"
         usable = cuda and half and not self.graphs
         return "flashinfer" if usable and importlib.util.find_spec("flashinfer") else "torch"
+
+
+ROUTINGS = ("prefix", "ray")  # engine/router.py: ours by prompt prefix; Ray Serve's default
+
+
+@dataclass(frozen=True)
+class ReplicasConfig:
+    """Engine replicas on Ray Serve behind one endpoint (engine/replicas.py); 0: none, one
+    engine in the server's own process, and Ray is never imported."""
+
+    replicas: int = option(0, "engine replicas on Ray Serve behind the endpoint", metavar="N")
+    ray_address: str | None = option(
+        None,
+        "a running Ray cluster to join (ray start --head); default: a local one",
+        metavar="ADDR",
+    )
+    # Ray's default of 1 CPU a replica leaves a 2-core machine room for 2 replicas only
+    replica_cpus: float = option(1.0, "CPUs Ray reserves for each replica", metavar="C")
+    replica_threads: int = option(
+        0, "torch threads of each replica; 0: its CPUs, at least 1", metavar="N"
+    )
+    routing: str = option(
+        "prefix",
+        "prefix: to the replica holding the prompt's prefix while it is not overloaded, else "
+        "the least loaded; ray: Ray Serve's default (two random replicas, the less loaded)",
+        flag="--replica-routing",
+        choices=ROUTINGS,
+    )
+    # a replica more than this many requests busier than the idlest loses its prefixes' turn
+    imbalance: int = option(
+        4,
+        "requests a prefix's replica may run past the idlest",
+        flag="--replica-imbalance",
+        metavar="N",
+    )
+
+    def __post_init__(self) -> None:
+        if self.replicas < 0 or self.replica_threads < 0 or self.imbalance < 0:
+            raise ValueError("replicas, replica_threads and imbalance must not be negative")
+        if self.replica_cpus <= 0:
+            raise ValueError("replica_cpus must be > 0")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"unknown routing {self.routing!r}; choose from {ROUTINGS}")
+
+    @property
+    def threads(self) -> int:
+        """Each replica's torch threads, 0 resolved by its CPUs."""
+        return self.replica_threads or max(1, int(self.replica_cpus))

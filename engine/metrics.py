@@ -3,10 +3,12 @@ for GET /metrics."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from core.request import FinishReason
 
@@ -187,3 +189,25 @@ class EngineMetrics:
         if self.collect is not None:
             self.collect()
         return self.registry.render()
+
+
+class Merged:
+    """Several engines' exposition texts as one registry's collector: each sample labelled
+    with its engine (`label="<key>"`), each family once (engine replicas, engine/replicas.py)."""
+
+    def __init__(self, texts: Mapping[str, str], label: str, extra: Iterable[Metric] = ()):
+        self.families: dict[str, Metric] = {}
+        for key, text in texts.items():
+            for family in text_string_to_metric_families(text):
+                samples = [s._replace(labels=s.labels | {label: key}) for s in family.samples]
+                merged = self.families.setdefault(family.name, family)
+                merged.samples = (merged.samples if merged is not family else []) + samples
+        self.families |= {family.name: family for family in extra}
+
+    def collect(self) -> list[Metric]:
+        return list(self.families.values())
+
+    def render(self) -> str:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self)
+        return prometheus_client.generate_latest(registry).decode()

@@ -27,7 +27,7 @@ from openai import AsyncOpenAI
 
 import server
 from client import TandemClient
-from engine.config import DebugConfig, EngineConfig, KVConfig, SpecConfig
+from engine.config import DebugConfig, EngineConfig, KVConfig, ReplicasConfig, SpecConfig
 from engine.engine import AsyncEngine
 from server import ServerOptions, build_parser, config_from_args, serve
 from tests.fakes import FakeEngine, FakeTokenizer, served, spy_on_abort
@@ -446,14 +446,14 @@ def test_config_from_args() -> None:
     assert (options.port, options.api_key, options.served_model_name) == (0, "k", "x")
 
 
-CONFIGS = (EngineConfig, SpecConfig, KVConfig, ServerOptions)
+CONFIGS = (EngineConfig, SpecConfig, KVConfig, ServerOptions, ReplicasConfig)
 
 
 def test_every_flag_defaults_to_its_fields_default() -> None:
     """The command line is made from the configs' fields: a flag whose default differs from
     its field's (a hand-written flag, or a field without one) fails here."""
     parsed = vars(build_parser().parse_args([]))
-    nested = {"spec", "kv", "debug"}
+    nested = {"spec", "kv", "debug", "cluster"}
     for config in CONFIGS:
         for f in dataclasses.fields(config):
             if f.name in nested:
