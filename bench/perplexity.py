@@ -2,7 +2,8 @@
 dequantized to float32 with a float32 KV cache.
 
     python -m bench.perplexity [--model smollm2|qwen2.5-coder|FILE.gguf] [--draft]
-        [--paths vnni512 avx2] [--context 512] [--tokens 3072]
+        [--paths vnni512 avx2] [--activations auto] [--kv float16 float32]
+        [--context 512] [--tokens 3072]
         [--llama-perplexity BIN] [--out F.json]
 
 Two texts: English, the Python reference's help topics (pydoc_data, shipped with the
@@ -12,11 +13,12 @@ vocabulary. Scored as llama.cpp's llama-perplexity scores: chunks of `--context`
 from an empty cache, the BOS first where the vocabulary asks for one, the second half of each
 chunk's tokens scored (each predicted from every token before it in the chunk).
 
-Variants: the weights at the file's types on each kernel path (`--paths`: the int8 activations
-of models/quant.c) or dequantized to float32, each with the server's KV cache (float16 on the
-CPU) and a float32 one. Every kernel path reads the same packed weights, so the file is loaded
-once at its types and once in float32. With `--llama-perplexity`, llama.cpp's tool on the same
-file and the same characters (2 threads).
+Variants: the weights at the file's types on each kernel path (`--paths`) with each choice of
+the activations' quantization (`--activations`: models/native.py two_terms), or dequantized to
+float32; each with each KV cache's dtype (`--kv`: the server's is float16 on the CPU). Every
+kernel path reads the same packed weights, so the file is loaded once in float32 and once at
+its types for each choice of the activations. With `--llama-perplexity`, llama.cpp's tool on
+the same file and the same characters (2 threads).
 """
 
 from __future__ import annotations
@@ -40,8 +42,6 @@ from models.llama import LlamaModel, prepare_for_inference
 from models.loader import load_model
 from models.tokenizer import Tokenizer
 from train.corpus import HELDOUT_LIST, stdlib_root
-
-KV = {"float16 KV": torch.float16, "float32 KV": torch.float32}
 
 
 def english(chars: int) -> str:
@@ -98,25 +98,28 @@ def load(path: Path, quantized: bool) -> LlamaModel:
 
 
 def ours(
-    path: Path, paths: list[str], data: dict[str, list[int]], context: int, bos: int | None
+    path: Path, args: argparse.Namespace, data: dict[str, list[int]], bos: int | None
 ) -> dict[str, dict[str, float]]:
-    """{variant: {text: perplexity}} for float32 weights and each kernel path, each KV."""
+    """{variant: {text: perplexity}}: float32 weights (the reference's KV float32 always), then
+    each choice of the activations on each kernel path, each with each KV dtype."""
     result = {}
-    with torch.inference_mode():
-        model = load(path, quantized=False)
-        for kv_name, kv in KV.items():
-            result[f"float32, {kv_name}"] = {
-                t: perplexity(model, ids, context, kv, bos) for t, ids in data.items()
+
+    def score(name: str, model: LlamaModel, kvs: list[str]) -> None:
+        for kv in kvs:
+            dtype = getattr(torch, kv)
+            result[f"{name}, {kv} KV"] = {
+                t: perplexity(model, ids, args.context, dtype, bos) for t, ids in data.items()
             }
-        del model
-        model = load(path, quantized=True)
-        for name in paths:
-            os.environ[native.QUANT_PATH_ENV] = name
-            native.quant_path()  # the kernels' path switched (the layout is shared)
-            for kv_name, kv in KV.items():
-                result[f"{name}, {kv_name}"] = {
-                    t: perplexity(model, ids, context, kv, bos) for t, ids in data.items()
-                }
+
+    with torch.inference_mode():
+        score("float32", load(path, quantized=False), sorted({"float32", *args.kv}))
+        for activations in args.activations:
+            os.environ[native.ACTIVATIONS_ENV] = activations
+            model = load(path, quantized=True)
+            for name in args.paths:
+                os.environ[native.QUANT_PATH_ENV] = name
+                native.quant_path()  # the kernels' path switched (the layout is shared)
+                score(f"{name} {activations}", model, args.kv)
     return result
 
 
@@ -139,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="smollm2", help="smollm2, a pair's name, or a GGUF")
     parser.add_argument("--draft", action="store_true", help="the pair's draft model's file")
     parser.add_argument("--paths", nargs="+", default=["vnni512", "avx2"])
+    parser.add_argument("--activations", nargs="+", default=["auto"], help="int8, int8x2, auto")
+    parser.add_argument("--kv", nargs="+", default=["float16", "float32"])
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=3072, help="of each text")
     parser.add_argument("--llama-perplexity", type=Path, help="llama.cpp's binary")
@@ -150,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     cut = texts(tokenizer, args.tokens)
     bos = tokenizer.bos_token_id if tokenizer.adds_bos else None
     data = {name: ids for name, (_, ids) in cut.items()}
-    result = ours(path, args.paths, data, args.context, bos)
+    result = ours(path, args, data, bos)
     if args.llama_perplexity:
         chunks = args.tokens // args.context
         result["llama.cpp"] = {
