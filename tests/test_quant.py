@@ -212,7 +212,7 @@ def test_parts_without_a_common_form_run_side_by_side(two_terms):
 
 def test_a_small_model_takes_two_terms_unless_told(monkeypatch):
     monkeypatch.delenv(native.ACTIVATIONS_ENV, raising=False)
-    assert native.two_terms(576) and not native.two_terms(1536)
+    assert native.two_terms(576) and not native.two_terms(896) and not native.two_terms(1536)
     monkeypatch.setenv(native.ACTIVATIONS_ENV, "int8")
     assert not native.two_terms(576)
     monkeypatch.setenv(native.ACTIVATIONS_ENV, "int8x2")
