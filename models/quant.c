@@ -193,14 +193,14 @@ static void store_block(const Job *j, int64_t row, int64_t ob, const float *lane
  * rows a chunk's dot products take long enough that the hardware's prefetcher, which follows
  * the loads, no longer keeps the stream ahead of them (a 5-row product of weights streamed
  * from memory ran 1.3-1.8x faster with it, one row as fast; bench/results/NOTES.md). Into
- * the second-level cache, not the first: a core's few first-level miss buffers then stay free
- * for the loads, and the stream runs nearer the memory's rate (docs/performance.md: a Q6_K
- * forward's products 1.2-1.3x faster at one row, Q4_K's the same). A prefetch past the
- * weight's end is harmless: it never faults. */
+ * the first-level cache: into the second (docs/performance.md, "The K types by rows"), Q6_K's
+ * products alone streamed 1.2-1.3x faster, yet Qwen2.5-Coder-1.5B's forwards measured a decode
+ * 3% faster and a 5-row verify 3% slower, within the noise. A prefetch past the weight's end
+ * is harmless: it never faults. */
 #define PREFETCH_AHEAD 8
 #define PREFETCH(p, cb)                                                                       \
     for (int64_t line = 0; line < (cb); line += 64)                                           \
-    _mm_prefetch((const char *)(p) + PREFETCH_AHEAD * (cb) + line, _MM_HINT_T1)
+    _mm_prefetch((const char *)(p) + PREFETCH_AHEAD * (cb) + line, _MM_HINT_T0)
 
 /* ---- unpacking a chunk's codes: group g (inputs 4g..4g+3, four bytes an output) ----
  * 4, 5 and 6 bits: the low nibbles in four vectors (vector j: group 2j low, 2j + 1 high),
