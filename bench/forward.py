@@ -12,6 +12,11 @@ the embedding's one row aside, and the context's keys and values) over this mach
 bandwidth (bench/common.py read_bandwidth), and the forward's multiply-adds (the linears',
 2 x weights x rows) over its product rate (float32, or the quantized kernels' integer one).
 A prefill of `--prefill` tokens into an empty cache is timed too (one chunk).
+
+The products alone are timed too, by rows: every linear of a forward called in turn on random
+rows (the weights streamed from memory, as in a forward), their multiply-adds a second beside
+the same products' at `--prefill-rows` rows (a prefill's: compute-bound, each weight's chunk
+read once for many rows) on the same weights in the same run.
 """
 
 from __future__ import annotations
@@ -81,6 +86,29 @@ def product_flops(quantized: bool, repeats: int = 5) -> float:
     return max(flop / median_seconds(fn, repeats * 20) for fn, flop in calls)
 
 
+def product_rates(model: LlamaModel, rows: list[int], repeats: int) -> dict[int, float]:
+    """Multiply-adds a second of all of a forward's products (the lm_head's included) called in
+    turn on `rows` random rows, for each row count (interleaved, medians)."""
+    table_only = {id(m) for m in model.embed_tokens.modules()} - {
+        id(m) for m in model.lm_head.modules()
+    }  # an embedding's own quantized table: read a row a token, not a product
+    products = [
+        m
+        for m in model.modules()
+        if isinstance(m, FusedLinear | QuantLinear) and id(m) not in table_only
+    ]
+    macs = sum(m.out_features * m.in_features for m in products)
+    inputs = {r: {m.in_features: torch.randn(r, m.in_features) for m in products} for r in rows}
+    calls = {r: lambda r=r: [m(inputs[r][m.in_features]) for m in products] for r in rows}
+    times: dict[int, list[float]] = {r: [] for r in rows}
+    for fn in calls.values():
+        fn()
+    for _ in range(repeats):
+        for r, fn in calls.items():
+            times[r].append(timed(fn))
+    return {r: r * macs / statistics.median(times[r]) for r in rows}
+
+
 def measure(
     model: str,
     context: int,
@@ -89,6 +117,7 @@ def measure(
     repeats: int,
     weights: str = "auto",
     kv_dtype: str = "auto",
+    prefill_rows: int = 256,
 ) -> dict:
     torch.manual_seed(0)
     config = EngineConfig(model, SpecConfig("none"), KVConfig(dtype=kv_dtype), weights=weights)
@@ -107,6 +136,7 @@ def measure(
         for _ in range(repeats):  # interleaved: the machine's drift touches all alike
             for r, fn in calls.items():
                 times[r].append(timed(fn))
+        rates = product_rates(target, [*rows, prefill_rows], max(3, repeats // 3))
     quantized = any(isinstance(m, QuantLinear) for m in target.modules())
     bandwidth, flops = read_bandwidth(), product_flops(quantized)
     kv_read = kv_bytes(target, context, kv.itemsize)
@@ -116,11 +146,13 @@ def measure(
               "quantized_path": native.quant_path() if quantized else None,
               "weight_bytes": streamed_bytes(target), "kv_bytes": kv_read, "kv_dtype": str(kv),
               "bandwidth_bytes_per_s": bandwidth, "flop_per_s": flops,
-              "prefill_tokens": prefill, "prefill_ms": prefill_s * 1e3, "rows": {}}  # fmt: skip
+              "prefill_tokens": prefill, "prefill_ms": prefill_s * 1e3,
+              "prefill_rows": prefill_rows, "prefill_mac_per_s": rates[prefill_rows],
+              "rows": {}}  # fmt: skip
     for r in rows:
         floor = max(streamed / bandwidth, per_row * r / flops)
         ms = statistics.median(times[r]) * 1e3
-        result["rows"][r] = {"ms": ms, "floor_ms": floor * 1e3}
+        result["rows"][r] = {"ms": ms, "floor_ms": floor * 1e3, "mac_per_s": rates[r]}
     return result
 
 
@@ -130,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 5, 9, 16, 32])
     parser.add_argument("--prefill", type=int, default=2000, help="tokens of the timed prefill")
+    parser.add_argument("--prefill-rows", type=int, default=256, help="rows of the products'")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--weights", choices=WEIGHTS, default="auto", help="server.py's --weights")
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="server.py's")
@@ -137,18 +170,29 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     r = measure(
-        args.model, args.context, args.rows, args.prefill, args.repeats, args.weights, args.kv_dtype
+        args.model,
+        args.context,
+        args.rows,
+        args.prefill,
+        args.repeats,
+        args.weights,
+        args.kv_dtype,
+        args.prefill_rows,
     )
     print(
         f"weights {r['weight_bytes'] / 1e6:.0f} MB (path {r['quantized_path'] or 'float'}), "
         f"KV {r['kv_bytes'] / 1e6:.0f} MB, {r['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
         f"{r['flop_per_s'] / 1e9:.0f} GOP/s; prefill of {r['prefill_tokens']} tokens "
-        f"{r['prefill_ms']:.0f} ms"
+        f"{r['prefill_ms']:.0f} ms; products at {r['prefill_rows']} rows "
+        f"{r['prefill_mac_per_s'] / 1e9:.0f} GMAC/s"
     )
     one = r["rows"][min(r["rows"])]["ms"]
     table = [[str(rows), f"{v['ms']:.1f}", f"{v['floor_ms']:.1f}", f"{v['ms'] / v['floor_ms']:.2f}",
-              f"{v['ms'] / one:.2f}"] for rows, v in r["rows"].items()]  # fmt: skip
-    print(text_table(["rows", "ms", "floor ms", "x floor", "x one row"], table))
+              f"{v['ms'] / one:.2f}", f"{v['mac_per_s'] / 1e9:.0f}",
+              f"{v['mac_per_s'] / r['prefill_mac_per_s']:.2f}"]
+             for rows, v in r["rows"].items()]  # fmt: skip
+    header = ["rows", "ms", "floor ms", "x floor", "x one row", "products GMAC/s", "x prefill's"]
+    print(text_table(header, table))
     if args.out:
         write_json(args.out, r)
 

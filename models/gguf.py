@@ -286,6 +286,7 @@ def _quantized(meta: Metadata, cfg: LlamaConfig, model: LlamaModel) -> dict[str,
     tensors."""
     tensors = {_our_name(t.name): t for t in meta.tensors}
     state: dict[str, torch.Tensor] = {}
+    two = native.two_terms(cfg.hidden_size)
     for i, layer in enumerate(model.layers):
         for names, (owner, attr) in GROUPS:
             weights = [f"layers.{i}.{n}.weight" for n in names]
@@ -301,7 +302,8 @@ def _quantized(meta: Metadata, cfg: LlamaConfig, model: LlamaModel) -> dict[str,
                 if (b := f"layers.{i}.{n}.bias") in tensors
             ]
             sizes = [p.shape[0] for p in found.values()]
-            product = QuantLinear(stacked, sizes, torch.cat(biases) if biases else None)
+            bias = torch.cat(biases) if biases else None
+            product = QuantLinear(stacked, sizes, bias, two)
             for n in names:  # the checkpoint's linears, replaced
                 setattr(getattr(layer, owner), n.split(".")[1], None)
             setattr(getattr(layer, owner), attr, product)
@@ -309,7 +311,7 @@ def _quantized(meta: Metadata, cfg: LlamaConfig, model: LlamaModel) -> dict[str,
                 del tensors[w]
     for name in ("lm_head.weight", "embed_tokens.weight"):
         if name in tensors and (read := _read(tensors[name], cfg, True)):
-            _quantized_vocab(model, name, read)
+            _quantized_vocab(model, name, read, two)
             del tensors[name]
     state.update({name: _float(t, cfg) for name, t in tensors.items() if name not in state})
     if model.config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
@@ -377,10 +379,10 @@ def head_rows(path: str | Path, ids: torch.Tensor) -> QuantLinear | None:
     return QuantLinear(packed_rows(rows, len(wanted), t.tensor_type, int(t.shape[0])))
 
 
-def _quantized_vocab(model: LlamaModel, name: str, weight: Codes | Packed) -> None:
+def _quantized_vocab(model: LlamaModel, name: str, weight: Codes | Packed, two: bool) -> None:
     """The lm_head or the embedding, a quantized table read where it is packed (a tied one
-    once, by both)."""
-    product = QuantLinear(weight)
+    once, by both); `two`: its product's activations in two terms."""
+    product = QuantLinear(weight, two_terms=two)
     if name == "lm_head.weight" or model.config.tie_word_embeddings:
         model.lm_head = product
     if name == "embed_tokens.weight":

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models import native
-from models.quant import Codes, Packed, packed
+from models.quant import TWO_TERMS, Codes, Packed, packed
 
 
 class FusedLinear(nn.Module):
@@ -105,10 +105,13 @@ class QuantLinear(nn.Module):
         weight: Codes | Packed | list[Packed],
         sizes: Sequence[int] = (),
         bias: torch.Tensor | None = None,
+        two_terms: bool = False,
     ):
         """`weight`: packed already (where the native kernels run), or codes, or (parts
         whose forms have no common one, as a Q4_K q|k beside a Q6_K v) packed parts run
-        side by side; `sizes`: the outputs of the parts stacked in it (models.quant.cat)."""
+        side by side; `sizes`: the outputs of the parts stacked in it (models.quant.cat);
+        `two_terms`: the kernels quantize the activations as two int8 terms (quant.py:
+        TWO_TERMS; torch's path is exact anyway)."""
         super().__init__()
         if isinstance(weight, Codes) and native.quant_path() != "torch":
             weight = packed(weight)
@@ -120,10 +123,11 @@ class QuantLinear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.codes: Codes | None = None
         self.parts: list[Packed] = []
+        self.terms = TWO_TERMS if two_terms else 0
         if isinstance(weight, Codes):
             self.codes, self.form = weight, weight.form
         elif isinstance(weight, Packed):
-            self.packed, self.form = weight.data, weight.form
+            self.packed, self.form = weight.data, weight.form | self.terms
         else:
             self.parts, self.form = weight, -1  # quant.c: a qgemm_parts table
             self.packed = self._parts_table(bias)
@@ -136,7 +140,7 @@ class QuantLinear(nn.Module):
         table = [len(self.parts)]
         for i, part in enumerate(self.parts):
             at = self.part_biases[i].data_ptr() if self.part_biases else 0
-            table += [part.data.data_ptr(), at, part.shape[0], part.form]
+            table += [part.data.data_ptr(), at, part.shape[0], part.form | self.terms]
         return torch.tensor(table, dtype=torch.int64)
 
     @property

@@ -29,6 +29,10 @@ DISABLE_ENV = "TANDEM_NATIVE"  # "0": run the torch path even where the kernels 
 # "avx2", or "torch" (dequantize, then torch's product)
 QUANT_PATH_ENV = "TANDEM_QUANT_PATH"
 QUANT_PATHS = {"torch": 0, "avx2": 1, "vnni512": 2}
+# how the quantized products quantize their activations (quant.c): "auto" (two int8 terms for a
+# model of at most TWO_TERMS_HIDDEN features, one beyond), "int8" (one term) or "int8x2" (two)
+ACTIVATIONS_ENV = "TANDEM_QUANT_ACTIVATIONS"
+TWO_TERMS_HIDDEN = 768
 
 
 def available() -> bool:
@@ -48,6 +52,19 @@ def quant_path() -> str:
     if want != "auto" and name != want:
         raise ValueError(f"{QUANT_PATH_ENV}={want}: this CPU lacks the instructions it needs")
     return name
+
+
+def two_terms(hidden_size: int) -> bool:
+    """Whether a model of `hidden_size` features quantizes its products' activations as two
+    int8 terms: TANDEM_QUANT_ACTIVATIONS's choice, else where the model is this small (one
+    term's rounding flips near-tied greedy tokens of SmolLM2-135M's, whose products are
+    cheap; Qwen2.5-Coder's 0.5B, 896 features, keeps one term: a draft model's prefill and
+    drafts are what it costs, and its answers held: docs/performance.md, "The activations'
+    precision")."""
+    want = os.environ.get(ACTIVATIONS_ENV, "auto")
+    if want not in ("auto", "int8", "int8x2"):
+        raise ValueError(f"{ACTIVATIONS_ENV}={want!r}: choose auto, int8 or int8x2")
+    return want == "int8x2" or (want == "auto" and hidden_size <= TWO_TERMS_HIDDEN)
 
 
 def usable(*tensors: torch.Tensor) -> bool:

@@ -11,9 +11,15 @@
  * The activations are quantized as llama.cpp's are: a row's 32 inputs of block k to int8,
  * xq = round(x / dx) with dx = max|x| / 127, and s = dx * sum(xq). Then a block adds
  *     d * dx * sum(code * xq) + m * s
- * to each output, the integer sum exact. Against float32 products of the dequantized weight,
- * each input is off by at most dx / 2, so |y - y_ref| <= sum_i |w_i| dx(i) / 2, plus float
- * rounding (tests/test_quant.py holds the kernels to that).
+ * to each output, the integer sum exact (Q6_K's scale each 16 inputs applied to the sum of
+ * its 16). Against float32 products of the dequantized weight, each input is off by at most
+ * dx / 2, so |y - y_ref| <= sum_i |w_i| dx(i) / 2, plus float rounding (tests/test_quant.py
+ * holds every path to that). A row's quantization depends on that row alone, and its sums run
+ * in one order whatever the rows beside it, so its result is the same bits at any row count.
+ * A weight whose form asks for two terms (a small model's, models/quant.py: TWO_TERMS) also
+ * quantizes each block's residual x - dx xq the same way, as rows of their own, and adds the
+ * two rows' results: each input is then off by at most dx' / 2 with dx' = max|x - dx xq| / 127
+ * <= dx / 254, for twice the rows' products.
  *
  * Threads share the output blocks; a block's rows go in tiles whose accumulators stay in
  * registers, its codes unpacked once a tile (from the cache after the first). Every output's
@@ -58,7 +64,7 @@ static const uint16_t *super_scales(const QWeight *w, int64_t ob, int64_t kb) {
 
 QWeight qweight(const uint8_t *packed, const float *bias, int64_t out, int64_t in, int64_t form) {
     return (QWeight){packed, bias, out, in, form & 255, (form >> 8) & 1,
-                     form >> 16, (form >> 9) & 1, 0};
+                     (form >> 16) & 255, (form >> 9) & 1, 0, (form >> 24) & 1};
 }
 
 static float half_to_float(uint16_t h) {
@@ -136,24 +142,35 @@ __attribute__((optimize("fp-contract=off"))) void qrows(const QWeight *w, const 
 
 /* ---- the activations: xq [M, I] int8, and a row's dx and dx * sum(xq) a block [M, I / 32] */
 
-static void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *xq, float *dx,
-                          float *sx, int32_t *halves) {
+/* a block's 32 inputs v: q = round(v / dx), dx = max|v| / 127, at `at` of the arrays */
+static void quantize_block(const float *v, int8_t *q, int64_t at, float *dx, float *sx,
+                           int32_t *halves) {
+    float amax = 0.0f;
+    for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
+    float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t half[2] = {0, 0};
+    for (int i = 0; i < QK; i++) {
+        q[i] = (int8_t)lrintf(v[i] * inv);
+        half[i / 16] += q[i];
+    }
+    dx[at] = d, sx[at] = d * (float)(half[0] + half[1]);
+    halves[2 * at] = half[0], halves[2 * at + 1] = half[1];
+}
+
+/* rows 0..M-1: x's rows; with two terms, rows M..2M-1 the residuals x - dx q quantized the
+ * same way (each input then off by at most max|residual| / 254 <= dx / 508) */
+static void quantize_rows(const float *x, int64_t rows, int64_t in, int terms, int8_t *xq,
+                          float *dx, float *sx, int32_t *halves) {
     int64_t nk = in / QK;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t kb = 0; kb < nk; kb++) {
             const float *v = x + r * in + kb * QK;
             int8_t *q = xq + r * in + kb * QK;
-            float amax = 0.0f;
-            for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
-            float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int32_t half[2] = {0, 0};
-            for (int i = 0; i < QK; i++) {
-                q[i] = (int8_t)lrintf(v[i] * inv);
-                half[i / 16] += q[i];
-            }
-            dx[r * nk + kb] = d;
-            sx[r * nk + kb] = d * (float)(half[0] + half[1]);
-            halves[2 * (r * nk + kb)] = half[0], halves[2 * (r * nk + kb) + 1] = half[1];
+            quantize_block(v, q, r * nk + kb, dx, sx, halves);
+            if (terms == 1) continue;
+            float e[QK], d = dx[r * nk + kb];
+            for (int i = 0; i < QK; i++) e[i] = v[i] - d * (float)q[i];
+            quantize_block(e, q + rows * in, (rows + r) * nk + kb, dx, sx, halves);
         }
 }
 
@@ -175,8 +192,11 @@ static void store_block(const Job *j, int64_t row, int64_t ob, const float *lane
 /* The chunks a tile will read PREFETCH_AHEAD chunks from now, asked for now: with several
  * rows a chunk's dot products take long enough that the hardware's prefetcher, which follows
  * the loads, no longer keeps the stream ahead of them (a 5-row product of weights streamed
- * from memory ran 1.3-1.8x faster with it, one row as fast; bench/results/NOTES.md). A
- * prefetch past the weight's end is harmless: it never faults. */
+ * from memory ran 1.3-1.8x faster with it, one row as fast; bench/results/NOTES.md). Into
+ * the first-level cache: into the second (docs/performance.md, "The K types by rows"), Q6_K's
+ * products alone streamed 1.2-1.3x faster, yet Qwen2.5-Coder-1.5B's forwards measured a decode
+ * 3% faster and a 5-row verify 3% slower, within the noise. A prefetch past the weight's end
+ * is harmless: it never faults. */
 #define PREFETCH_AHEAD 8
 #define PREFETCH(p, cb)                                                                       \
     for (int64_t line = 0; line < (cb); line += 64)                                           \
@@ -487,9 +507,10 @@ typedef struct {
 
 static void release(Activations *a) { free(a->xq), free(a->dx), free(a->sx), free(a->halves); }
 
-/* 0, or -1 when out of memory */
-static int quantize(const float *x, int64_t rows, int64_t in, Activations *a) {
+/* 0, or -1 when out of memory; `terms` 2: the residuals' rows after x's */
+static int quantize(const float *x, int64_t rows, int64_t in, int terms, Activations *a) {
     int64_t nk = in / QK;
+    rows *= terms;
     a->xq = malloc(rows * in);
     a->dx = malloc(sizeof(float) * rows * nk), a->sx = malloc(sizeof(float) * rows * nk);
     a->halves = malloc(sizeof(int32_t) * rows * nk * 2);
@@ -497,8 +518,16 @@ static int quantize(const float *x, int64_t rows, int64_t in, Activations *a) {
         release(a);
         return -1;
     }
-    quantize_rows(x, rows, in, a->xq, a->dx, a->sx, a->halves);
+    quantize_rows(x, rows / terms, in, terms, a->xq, a->dx, a->sx, a->halves);
     return 0;
+}
+
+/* y [M, ldy] (at its part's outputs) = the two terms' rows of y2 [2M, ldy] summed + bias */
+static void add_terms(const float *y2, float *y, int64_t rows, int64_t out, int64_t ldy,
+                      const float *bias) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t o = 0; o < out; o++)
+            y[r * ldy + o] = y2[r * ldy + o] + y2[(rows + r) * ldy + o] + (bias ? bias[o] : 0.0f);
 }
 
 static void run(const QWeight *w, const Activations *a, float *y, int64_t rows, int threads) {
@@ -520,27 +549,46 @@ static void run(const QWeight *w, const Activations *a, float *y, int64_t rows, 
 int qgemm(const QWeight *w, const float *x, float *y, int64_t rows, int threads) {
     if (path < 0) qpath_select(-1);
     Activations a;
-    if (path == QPATH_NONE || quantize(x, rows, w->in, &a)) return -1;
-    run(w, &a, y, rows, threads);
-    release(&a);
-    return 0;
+    int terms = w->two_terms ? 2 : 1;
+    if (path == QPATH_NONE || quantize(x, rows, w->in, terms, &a)) return -1;
+    if (terms == 1) {
+        run(w, &a, y, rows, threads);
+        release(&a);
+        return 0;
+    }
+    QWeight bare = *w;
+    bare.bias = NULL;
+    int64_t ldy = w->ldy ? w->ldy : w->out;
+    float *y2 = malloc(sizeof(float) * 2 * rows * ldy);
+    if (y2) {
+        run(&bare, &a, y2, 2 * rows, threads);
+        add_terms(y2, y, rows, w->out, ldy, w->bias);
+    }
+    free(y2), release(&a);
+    return y2 ? 0 : -1;
 }
 
 int qgemm_parts(const int64_t *parts, const float *x, float *y, int64_t rows, int64_t in,
                 int threads) {
     if (path < 0) qpath_select(-1);
     Activations a;
-    if (path == QPATH_NONE || quantize(x, rows, in, &a)) return -1;
     int64_t n = parts[0], out = 0;
+    int terms = (parts[4] >> 24) & 1 ? 2 : 1; /* the first part's choice holds for all */
+    if (path == QPATH_NONE || quantize(x, rows, in, terms, &a)) return -1;
     for (int64_t i = 0; i < n; i++) out += parts[1 + 4 * i + 2];
-    for (int64_t i = 0, at = 0; i < n; i++) { /* the activations quantized once for all */
+    float *y2 = terms == 2 ? malloc(sizeof(float) * 2 * rows * out) : y;
+    for (int64_t i = 0, at = 0; y2 && i < n; i++) { /* the activations quantized once for all */
         const int64_t *p = parts + 1 + 4 * i;
-        QWeight w = qweight((const uint8_t *)(intptr_t)p[0], (const float *)(intptr_t)p[1], p[2],
-                            in, p[3]);
+        const float *bias = (const float *)(intptr_t)p[1];
+        QWeight w = qweight((const uint8_t *)(intptr_t)p[0], terms == 2 ? NULL : bias, p[2], in,
+                            p[3]);
         w.ldy = out;
-        run(&w, &a, y + at, rows, threads);
+        run(&w, &a, y2 + at, terms * rows, threads);
+        if (terms == 2) add_terms(y2 + at, y + at, rows, p[2], out, bias);
         at += p[2];
     }
+    int status = y2 ? 0 : -1;
+    if (terms == 2) free(y2);
     release(&a);
-    return 0;
+    return status;
 }

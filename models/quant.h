@@ -18,10 +18,11 @@ typedef struct {
     int64_t out, in, bits, half_scales, zero;
     int64_t supers; /* K types: integer scales a chunk, float16 ones each 256 inputs */
     int64_t ldy;    /* floats between y's rows (0: out) */
+    int64_t two_terms; /* the activations as two int8 terms (models/quant.c: quantize_rows) */
 } QWeight;
 
 /* a weight's form as one int, as models/quant.py writes it: bits + 256 half + 512 supers +
- * 65536 zero */
+ * 65536 zero + 2**24 two terms */
 QWeight qweight(const uint8_t *packed, const float *bias, int64_t out, int64_t in, int64_t form);
 
 /* y [M, O] = x [M, I] W^T (+ bias); the activations are quantized to int8 a row and 32

@@ -95,6 +95,11 @@ def form(bits: int, half: bool, zero: int, supers: bool = False) -> int:
     return bits + 256 * half + 512 * supers + 65536 * zero
 
 
+# a form's flag: the activations quantized as two int8 terms (quant.c: quantize_rows), each
+# input off by at most 1/254 of one term's error, for twice the rows' products
+TWO_TERMS = 1 << 24
+
+
 def cat(parts: list[Codes]) -> Codes | None:
     """Weights of one form stacked along their outputs (q|k|v, gate|up); None where the parts'
     forms (their types) differ: those run side by side as parts, each at its own width."""

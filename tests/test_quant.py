@@ -67,20 +67,23 @@ def test_codes_give_back_the_files_values_exactly(kind, extreme):
     assert int(codes.codes.max()) < 2**codes.bits
 
 
-def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def bound(x: torch.Tensor, w: torch.Tensor, terms: int = 1) -> torch.Tensor:
     """|y - y_ref| for y = x W^T with x quantized to int8 a row and 32 inputs at a time (each
-    input off by at most dx / 2, dx = max|x| / 127 of its block), plus float32's rounding of
-    the sums (2^-20 of sum |x w|, far above n * 2^-24 for the sums here)."""
+    input off by at most dx / 2, dx = max|x| / 127 of its block; in two terms, by at most
+    dx / 508), plus float32's rounding of the sums (2^-20 of sum |x w| a term, far above
+    n * 2^-24 for the sums here)."""
     rows, inputs = x.shape
     dx = x.view(rows, -1, QK).abs().amax(-1) / 127  # [M, I / 32]
     per_block = w.abs().view(w.shape[0], -1, QK).sum(-1)  # [O, I / 32]
-    return (dx / 2) @ per_block.T + 2**-20 * (x.abs() @ w.abs().T)
+    off = dx / 2 if terms == 1 else dx / 508
+    return off @ per_block.T + terms * 2**-20 * (x.abs() @ w.abs().T)
 
 
-def product(codes: Codes, x: torch.Tensor, path: str, monkeypatch) -> torch.Tensor:
+def product(codes: Codes, x: torch.Tensor, path: str, monkeypatch, terms: int = 1) -> torch.Tensor:
     monkeypatch.setenv(native.QUANT_PATH_ENV, path)
     assert native.quant_path() == path
-    return native.qlinear(x, pack(codes), codes.shape, codes.form)
+    form = codes.form | (models.quant.TWO_TERMS if terms == 2 else 0)
+    return native.qlinear(x, pack(codes), codes.shape, form)
 
 
 def require(path: str) -> None:
@@ -98,34 +101,51 @@ def best_path_after():
         native._kernels.qpath(-1)
 
 
+@pytest.mark.parametrize("terms", [1, 2])
 @pytest.mark.parametrize("path", NATIVE_PATHS)
 @pytest.mark.parametrize("kind", CODE_TYPES, ids=lambda k: k.name)
 @pytest.mark.parametrize("extreme", [False, True])
 def test_the_products_equal_dequantize_then_multiply_within_the_bound(
-    path, kind, extreme, monkeypatch
+    path, kind, extreme, terms, monkeypatch
 ):
     require(path)
     raw = random_blocks(kind, 40, 512, seed=2, extreme=extreme)
     codes = codes_of(raw, kind, 512)
     w = codes.dequantize()
     gen = torch.Generator().manual_seed(3)
-    for rows in (1, 3, 8, 9, 17, 64):
+    for rows in (1, 2, 3, 5, 8, 9, 17, 64):
         x = torch.randn(rows, 512, generator=gen)
         if extreme:  # a few huge inputs among small ones
             x[:, ::37] *= 1e4
-        y = product(codes, x, path, monkeypatch)
-        assert ((y - x @ w.T).abs() <= bound(x, w)).all(), (rows, kind)
+        y = product(codes, x, path, monkeypatch, terms)
+        assert ((y - x @ w.T).abs() <= bound(x, w, terms)).all(), (rows, kind)
 
 
 @pytest.mark.parametrize("path", NATIVE_PATHS)
-def test_a_rows_result_is_the_same_whatever_rows_are_beside_it(path, monkeypatch):
+def test_two_terms_are_closer_than_one(path, monkeypatch):
+    """The residual's term takes off most of one term's error (of the order of 1/254 of it;
+    at least 1/20 here, the float sums' rounding aside)."""
+    require(path)
+    for kind in CODE_TYPES:
+        codes = codes_of(random_blocks(kind, 40, 512, seed=16), kind, 512)
+        x = torch.randn(6, 512, generator=torch.Generator().manual_seed(17))
+        want = x.double() @ codes.dequantize().double().T
+        one, two = (product(codes, x, path, monkeypatch, t) - want for t in (1, 2))
+        assert two.abs().mean() < one.abs().mean() / 20, kind
+
+
+@pytest.mark.parametrize("terms", [1, 2])
+@pytest.mark.parametrize("path", NATIVE_PATHS)
+def test_a_rows_result_is_the_same_whatever_rows_are_beside_it(path, terms, monkeypatch):
     require(path)
     for kind in CODE_TYPES:
         codes = codes_of(random_blocks(kind, 50, 256, seed=4), kind, 256)
         x = torch.randn(64, 256, generator=torch.Generator().manual_seed(5))
-        alone = torch.cat([product(codes, x[i : i + 1], path, monkeypatch) for i in range(64)])
-        for rows in (2, 5, 9, 16, 33, 64):
-            assert torch.equal(product(codes, x[:rows], path, monkeypatch), alone[:rows])
+        one = [product(codes, x[i : i + 1], path, monkeypatch, terms) for i in range(64)]
+        alone = torch.cat(one)
+        for rows in (2, 3, 4, 5, 6, 7, 8, 9, 16, 33, 64):
+            got = product(codes, x[:rows], path, monkeypatch, terms)
+            assert torch.equal(got, alone[:rows]), (kind, rows)
 
 
 @pytest.mark.parametrize("path", NATIVE_PATHS)
@@ -174,7 +194,8 @@ def test_weights_of_one_type_are_stacked_and_of_two_types_are_not(kind):
     assert cat([a, codes_of(random_blocks(other, 8, 256, seed=11), other, 256)]) is None
 
 
-def test_parts_without_a_common_form_run_side_by_side():
+@pytest.mark.parametrize("two_terms", [False, True])
+def test_parts_without_a_common_form_run_side_by_side(two_terms):
     """A Q4_K q|k beside a Q6_K v (Qwen2.5-Coder's files): each part its own product, the
     outputs side by side, as the parts alone give them, biases each its part's."""
     if not NATIVE_PATHS:
@@ -182,10 +203,23 @@ def test_parts_without_a_common_form_run_side_by_side():
     a = codes_of(random_blocks(T.Q4_K, 48, 256, seed=12), T.Q4_K, 256)
     b = codes_of(random_blocks(T.Q6_K, 20, 256, seed=13), T.Q6_K, 256)
     bias = torch.randn(68)
-    product = QuantLinear([packed(a), packed(b)], [48, 20], bias)
+    product = QuantLinear([packed(a), packed(b)], [48, 20], bias, two_terms)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(14))
-    alone = [QuantLinear(c, bias=t)(x) for c, t in ((a, bias[:48]), (b, bias[48:]))]
+    parts = ((a, bias[:48]), (b, bias[48:]))
+    alone = [QuantLinear(c, bias=t, two_terms=two_terms)(x) for c, t in parts]
     assert torch.equal(product(x), torch.cat(alone, -1))
+
+
+def test_a_small_model_takes_two_terms_unless_told(monkeypatch):
+    monkeypatch.delenv(native.ACTIVATIONS_ENV, raising=False)
+    assert native.two_terms(576) and not native.two_terms(896) and not native.two_terms(1536)
+    monkeypatch.setenv(native.ACTIVATIONS_ENV, "int8")
+    assert not native.two_terms(576)
+    monkeypatch.setenv(native.ACTIVATIONS_ENV, "int8x2")
+    assert native.two_terms(1536)
+    monkeypatch.setenv(native.ACTIVATIONS_ENV, "int4")
+    with pytest.raises(ValueError, match="choose auto, int8 or int8x2"):
+        native.two_terms(576)
 
 
 def test_a_forced_path_the_cpu_lacks_is_refused(monkeypatch):
@@ -224,6 +258,7 @@ def test_a_quantized_file_serves_at_its_types(quantized_and_dequantized):
     quantized, dequantized = quantized_and_dequantized
     products = [m for m in quantized.modules() if isinstance(m, QuantLinear)]
     assert len(products) == 4 * quantized.config.num_layers + 2  # and the embedding's table
+    assert all(p.terms == models.quant.TWO_TERMS for p in products)  # a small model's choice
     assert not any(isinstance(m, QuantLinear) for m in dequantized.modules())
     assert held_bytes(quantized) < held_bytes(dequantized) / 3
 
