@@ -286,7 +286,7 @@ def _quantized(meta: Metadata, cfg: LlamaConfig, model: LlamaModel) -> dict[str,
     tensors."""
     tensors = {_our_name(t.name): t for t in meta.tensors}
     state: dict[str, torch.Tensor] = {}
-    two = native.two_terms(cfg.hidden_size)
+    two = native.two_terms()
     for i, layer in enumerate(model.layers):
         for names, (owner, attr) in GROUPS:
             weights = [f"layers.{i}.{n}.weight" for n in names]

@@ -29,10 +29,9 @@ DISABLE_ENV = "TANDEM_NATIVE"  # "0": run the torch path even where the kernels 
 # "avx2", or "torch" (dequantize, then torch's product)
 QUANT_PATH_ENV = "TANDEM_QUANT_PATH"
 QUANT_PATHS = {"torch": 0, "avx2": 1, "vnni512": 2}
-# how the quantized products quantize their activations (quant.c): "auto" (two int8 terms for a
-# model of at most TWO_TERMS_HIDDEN features, one beyond), "int8" (one term) or "int8x2" (two)
+# how the quantized products quantize their activations (quant.c): "int8" (one term, the
+# default) or "int8x2" (two: the residual quantized again)
 ACTIVATIONS_ENV = "TANDEM_QUANT_ACTIVATIONS"
-TWO_TERMS_HIDDEN = 768
 
 
 def available() -> bool:
@@ -54,17 +53,16 @@ def quant_path() -> str:
     return name
 
 
-def two_terms(hidden_size: int) -> bool:
-    """Whether a model of `hidden_size` features quantizes its products' activations as two
-    int8 terms: TANDEM_QUANT_ACTIVATIONS's choice, else where the model is this small (one
-    term's rounding flips near-tied greedy tokens of SmolLM2-135M's, whose products are
-    cheap; Qwen2.5-Coder's 0.5B, 896 features, keeps one term: a draft model's prefill and
-    drafts are what it costs, and its answers held: docs/performance.md, "The activations'
-    precision")."""
-    want = os.environ.get(ACTIVATIONS_ENV, "auto")
-    if want not in ("auto", "int8", "int8x2"):
-        raise ValueError(f"{ACTIVATIONS_ENV}={want!r}: choose auto, int8 or int8x2")
-    return want == "int8x2" or (want == "auto" and hidden_size <= TWO_TERMS_HIDDEN)
+def two_terms() -> bool:
+    """Whether the products quantize their activations as two int8 terms
+    (TANDEM_QUANT_ACTIVATIONS=int8x2). One term's rounding flips near-tied greedy tokens of
+    SmolLM2-135M's ("the capital of France"), which two keep, at 1.1x its decode, 1.5x its
+    5-row verify and 1.8x its prefill: docs/performance.md, "The activations' precision". The
+    default is one term, as llama.cpp's; its perplexity stays within 0.5% of float32's."""
+    want = os.environ.get(ACTIVATIONS_ENV, "int8")
+    if want not in ("int8", "int8x2"):
+        raise ValueError(f"{ACTIVATIONS_ENV}={want!r}: choose int8 or int8x2")
+    return want == "int8x2"
 
 
 def usable(*tensors: torch.Tensor) -> bool:

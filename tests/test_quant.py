@@ -210,16 +210,14 @@ def test_parts_without_a_common_form_run_side_by_side(two_terms):
     assert torch.equal(product(x), torch.cat(alone, -1))
 
 
-def test_a_small_model_takes_two_terms_unless_told(monkeypatch):
+def test_two_terms_where_asked(monkeypatch):
     monkeypatch.delenv(native.ACTIVATIONS_ENV, raising=False)
-    assert native.two_terms(576) and not native.two_terms(896) and not native.two_terms(1536)
-    monkeypatch.setenv(native.ACTIVATIONS_ENV, "int8")
-    assert not native.two_terms(576)
+    assert not native.two_terms()
     monkeypatch.setenv(native.ACTIVATIONS_ENV, "int8x2")
-    assert native.two_terms(1536)
+    assert native.two_terms()
     monkeypatch.setenv(native.ACTIVATIONS_ENV, "int4")
-    with pytest.raises(ValueError, match="choose auto, int8 or int8x2"):
-        native.two_terms(576)
+    with pytest.raises(ValueError, match="choose int8 or int8x2"):
+        native.two_terms()
 
 
 def test_a_forced_path_the_cpu_lacks_is_refused(monkeypatch):
@@ -258,7 +256,7 @@ def test_a_quantized_file_serves_at_its_types(quantized_and_dequantized):
     quantized, dequantized = quantized_and_dequantized
     products = [m for m in quantized.modules() if isinstance(m, QuantLinear)]
     assert len(products) == 4 * quantized.config.num_layers + 2  # and the embedding's table
-    assert all(p.terms == models.quant.TWO_TERMS for p in products)  # a small model's choice
+    assert all(p.terms == 0 for p in products)  # one term, unless asked
     assert not any(isinstance(m, QuantLinear) for m in dequantized.modules())
     assert held_bytes(quantized) < held_bytes(dequantized) / 3
 
