@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -78,6 +79,18 @@ def draft_chain(
         grammar.undo()
     stacked = torch.stack(probs, 1) if probs else None
     return Drafts(torch.stack(tokens, 1), stacked, noise=noise)
+
+
+def with_host_drafts(drafts: Drafts, host_drafts: torch.Tensor) -> Drafts:
+    """A model's drafts [B, k] with the host's (host_drafts [B, k], -1 where none) in the rows
+    that have them: a host draft is a point mass, which a sampled batch's q says row by row."""
+    host = host_drafts[:, :1] >= 0  # [B, 1]: the host drafted this row
+    tokens = torch.where(host, host_drafts, drafts.tokens)
+    probs = drafts.probs
+    if probs is not None:
+        point = torch.nn.functional.one_hot(tokens.clamp(min=0), probs.shape[-1])
+        probs = torch.where(host[..., None], point.to(probs.dtype), probs)
+    return dataclasses.replace(drafts, tokens=tokens, probs=probs)
 
 
 def grammar_masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

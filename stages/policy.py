@@ -20,11 +20,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-import torch
-
 from core.request import FREE_FORGET, AcceptanceRate, Request
 from core.step import CatchUp, DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
-from stages.draft import Drafter, ngram_lookup
+from stages.draft import Drafter, ngram_lookup, with_host_drafts
 from stages.suffix import SuffixDrafter
 
 NONE = ""  # a row that drafts nothing
@@ -135,14 +133,7 @@ class PolicyDrafter:
         mass, which a sampled batch's q says row by row)."""
         if self.model_name not in (plan.drafted_by or ()):
             return Drafts(dev.host_drafts)
-        host = dev.host_drafts[:, :1] >= 0  # [B, 1]: a free drafter drafted this row
-        drafts = self.model.propose(plan, dev)
-        tokens = torch.where(host, dev.host_drafts, drafts.tokens)
-        probs = drafts.probs
-        if probs is not None:
-            point = torch.nn.functional.one_hot(tokens.clamp(min=0), probs.shape[-1])
-            probs = torch.where(host[..., None], point.to(probs.dtype), probs)
-        return dataclasses.replace(drafts, tokens=tokens, probs=probs)
+        return with_host_drafts(self.model.propose(plan, dev), dev.host_drafts)
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
         return self.model.refill(plan, dev, out, verdict)

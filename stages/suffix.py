@@ -18,16 +18,13 @@ suffixes (at most `depth` of them), so a step costs O(depth) per new token.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-import torch
-
 from core.request import Request
 from core.step import CatchUp, DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
-from stages.draft import Drafter, NoDrafter
+from stages.draft import Drafter, NoDrafter, with_host_drafts
 
 
 class Node:
@@ -227,14 +224,7 @@ class HybridDrafter:
         firsts = plan.fields["host_drafts"][:: plan.k]  # the host's copy: no device read
         if all(token >= 0 for token in firsts):  # the suffix drafted every row
             return Drafts(dev.host_drafts)
-        host = dev.host_drafts[:, :1] >= 0  # [B, 1]: the suffix drafted this row
-        drafts = self.head.propose(plan, dev)
-        tokens = torch.where(host, dev.host_drafts, drafts.tokens)
-        probs = drafts.probs
-        if probs is not None:
-            point = torch.nn.functional.one_hot(tokens.clamp(min=0), probs.shape[-1])
-            probs = torch.where(host[..., None], point.to(probs.dtype), probs)
-        return dataclasses.replace(drafts, tokens=tokens, probs=probs)
+        return with_host_drafts(self.head.propose(plan, dev), dev.host_drafts)
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
         return self.head.refill(plan, dev, out, verdict)
