@@ -118,9 +118,8 @@ def commands(args: argparse.Namespace) -> dict[str, tuple[str, list[str]]]:
     if args.llama_server:
         base = [str(args.llama_server), "-m", str(args.gguf), "-t", "2", "-tb", "2"]
         base += ["-c", "8192", "--host", "127.0.0.1", "--no-webui"]
-        for spec in args.theirs:
-            k = spec.partition("@")[2] or "4"
-            flags = llama_spec_flags(spec.partition("@")[0] + "@" + k, 4, args.draft_gguf)
+        for spec in args.theirs:  # drafts capped at 4 tokens, as ours, unless `@N` says
+            flags = llama_spec_flags(spec, 4, args.draft_gguf)
             rows[f"llama.cpp {spec}"] = ("llama", base + flags)
     return rows
 

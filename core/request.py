@@ -73,6 +73,12 @@ class AcceptanceRate:
         return min(self.accepted / self.trials, 0.999)
 
 
+def expected_tokens(rate: float, drafts: int) -> float:
+    """Tokens a step emits in expectation, each draft accepted with probability `rate` given
+    the ones before: 1 + rate + ... + rate^drafts."""
+    return (1 - rate ** (drafts + 1)) / (1 - rate)
+
+
 @dataclass
 class TokenLogprob:
     token_id: int

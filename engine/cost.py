@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from core.request import expected_tokens
 from models.attention import CausalAttention
 
 log = logging.getLogger("tandem.cost")
@@ -125,11 +126,6 @@ class Calibration:
     def load(cls, path: str | Path) -> Calibration:
         d = json.loads(Path(path).read_text())
         return cls(Curve(**d["verify"]), Curve(**d["draft"]))
-
-
-def expected_tokens(rate: float, drafts: int) -> float:
-    """Tokens a step emits in expectation: 1 + rate + ... + rate^drafts."""
-    return (1 - rate ** (drafts + 1)) / (1 - rate)
 
 
 @dataclass

@@ -62,7 +62,8 @@ class Planner:
         except Exception as error:  # noqa: BLE001 - a plan's fault fails requests, not the loop
             self._plan_failed(step, batch, error)
             return self.plan(step)  # at once, without the failed requests
-        self.scheduler.planned(batch, plan.emits, self._draft_from(batch.seqs, plan))
+        lacking = self._draft_from(batch.seqs, plan) if self.drafter.lazy_refill else None
+        self.scheduler.planned(batch, plan.emits, lacking)
         self.record(
             step,
             "plan",
@@ -81,14 +82,13 @@ class Planner:
         k = self._draft_length(batch.seqs) if decode else 0
         # asked even where the cost model chose k = 0: a hybrid's suffix drafts cost no model
         drafts = self.drafter.host_drafts(batch.seqs, k) if decode and self.k else None
-        refill, catch_up = not self.drafter.lazy_refill, None  # a prefill's is deferred
+        # a draft model defers its prefill; in a decode step it runs where it drafts a row,
+        # catching up first, or to catch up
+        refill, catch_up = not self.drafter.lazy_refill, None
         if decode and self.drafter.lazy_refill:
-            # it runs in the steps it drafts a row of, catching up first, or to catch up
             drafts, catch_up = self._catch_up(batch.seqs, k, drafts)
             drafting = k > 0 and (drafts is None or any(d is None for d in drafts))
             refill = drafting or catch_up is not None
-        elif decode:
-            refill = True
         if drafts is not None:  # a row of None: the drafter drafts it on the device
             drafts = [
                 d if d is None else self._with_grammar(s, d, max(k, len(d)))

@@ -95,6 +95,23 @@ class Hints(RequestRouter):
         pin = _hint(request, "pin")
         return [[r for r in candidates if _id(r) == pin]] if pin is not None else []
 
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> Ranks:
+        pinned = self.pinned(candidate_replicas, pending_request)
+        if pinned and pinned[0]:
+            return pinned
+        ranks = await self.ranked(candidate_replicas, pending_request)
+        return self.spared(ranks, pending_request)
+
+    async def ranked(
+        self, candidates: list[RunningReplica], request: PendingRequest | None
+    ) -> Ranks:
+        """The router's own ranks of the candidates, best first."""
+        raise NotImplementedError
+
     def spared(self, ranks: Ranks, request: PendingRequest | None) -> Ranks:
         """`ranks` without the replicas a call avoids, unless none would be left."""
         avoid = set(_hint(request, "avoid") or ())
@@ -120,17 +137,9 @@ class PrefixRouter(Hints):
         self.index = PrefixIndex(kwargs.get("block", 16), kwargs.get("capacity", 1 << 16))
         self.imbalance: int = kwargs.get("imbalance", 4)
 
-    async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
+    async def ranked(
+        self, candidates: list[RunningReplica], request: PendingRequest | None
     ) -> Ranks:
-        pinned = self.pinned(candidate_replicas, pending_request)
-        if pinned and pinned[0]:
-            return pinned
-        return self.spared(self.by_prefix(candidate_replicas, pending_request), pending_request)
-
-    def by_prefix(self, candidates: list[RunningReplica], request: PendingRequest | None) -> Ranks:
         """The replicas with the deepest prefix and load within `imbalance` of the idlest
         first, then the rest; Ray takes the least loaded of a rank that is not full."""
         depths = self.index.depths(_prompt(request))
@@ -166,13 +175,7 @@ class PrefixRouter(Hints):
 class RayDefaultRouter(Hints, PowerOfTwoChoicesRequestRouter):
     """Ray Serve's default routing, with the hints."""
 
-    async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
+    async def ranked(
+        self, candidates: list[RunningReplica], request: PendingRequest | None
     ) -> Ranks:
-        pinned = self.pinned(candidate_replicas, pending_request)
-        if pinned and pinned[0]:
-            return pinned
-        ranks = await super().choose_replicas(candidate_replicas, pending_request)
-        return self.spared(ranks, pending_request)
+        return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidates, request)

@@ -13,13 +13,12 @@ from dataclasses import replace
 import pytest
 
 from core.params import SamplingParams
-from core.request import PRIOR_RATE, AcceptanceRate
+from core.request import PRIOR_RATE, AcceptanceRate, expected_tokens
 from engine.cost import (
     Calibration,
     CostModel,
     Curve,
     calibration_sizes,
-    expected_tokens,
     measure_curve,
 )
 from tests.engine_util import make_config, ragged_prompts, running, staggered

@@ -26,6 +26,7 @@ from api import chat_prompt
 from core.params import SamplingParams
 from engine.config import EngineConfig, KVConfig, ReplicasConfig
 from server import ServerOptions, config_from_args, start_server
+from tests.fakes import served
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULE = pytest.mark.asyncio(loop_scope="module")
@@ -114,15 +115,8 @@ async def one_server() -> AsyncIterator[str]:
     """One engine in this process, served alone: what the replicas' answers must equal."""
     from engine.engine import AsyncEngine
 
-    engine = AsyncEngine(CONFIG)
-    await engine.start()
-    runner = await start_server(engine, ServerOptions(port=0))
-    try:
-        host, port = runner.addresses[0][:2]
-        yield f"http://{host}:{port}"
-    finally:
-        await runner.cleanup()
-        await engine.stop()
+    async with served(AsyncEngine(CONFIG)) as url:
+        yield url
 
 
 def openai(url: str) -> AsyncOpenAI:
