@@ -15,6 +15,7 @@ FORGET = 0.95  # per step: recent steps count more (acceptance drifts with the t
 # stops: their estimates forget fast, so that a drafter at zero acceptance is dropped within
 # a few steps (and, fading back toward the prior while idle, tried again later)
 FREE_FORGET = 0.5
+FREE_DRAFTERS = ("ngram", "suffix")  # the drafters with no model, by name
 
 
 class FinishReason(enum.StrEnum):
@@ -136,7 +137,9 @@ class Request:
     acceptance: AcceptanceRate = field(default_factory=AcceptanceRate)  # for the cost model
     # --speculative auto: the acceptance of each drafter with no model (n-gram, suffix) for
     # this request, by name; the model's is `acceptance`
-    free_rates: dict[str, AcceptanceRate] = field(default_factory=dict)
+    free_rates: dict[str, AcceptanceRate] = field(
+        default_factory=lambda: {name: AcceptanceRate(forget=FREE_FORGET) for name in FREE_DRAFTERS}
+    )
     matcher: Matcher | None = None  # structured output: the grammar after the committed tokens
 
     @property

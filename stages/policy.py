@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from core.request import FREE_FORGET, AcceptanceRate, Request, expected_tokens
+from core.request import Request, expected_tokens
 from core.step import CatchUp, DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
 from stages.draft import Drafter, ngram_lookup, with_host_drafts
 from stages.suffix import SuffixDrafter
@@ -99,9 +99,7 @@ class PolicyDrafter:
         best: tuple[float, str, list[int] | None] = (1 / self.prices.free(0), NONE, [])
         model_speed = self._model_speed(seq, k) if model else 0.0
         for name, propose in free.items():
-            estimate = request.free_rates.get(name)
-            if estimate is None:
-                estimate = request.free_rates[name] = AcceptanceRate(forget=FREE_FORGET)
+            estimate = request.free_rates[name]
             _, bound = best_length(estimate.rate, self.max_k, self.prices.free)
             if bound <= best[0] or bound < model_speed:  # not even a full draft would win
                 continue
