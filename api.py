@@ -608,6 +608,7 @@ class Reply(ABC):
         self.num_tokens = 0
         self.finish: FinishReason | None = None
         self.error: str | None = None
+        self.unavailable = False  # the error is worth a retry (Delta.unavailable)
         self.final_usage: Usage | None = None
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # the spans' text
 
@@ -617,6 +618,7 @@ class Reply(ABC):
         self.num_tokens += len(delta.token_ids)
         self.finish = delta.finish_reason or self.finish
         self.error = delta.error or self.error
+        self.unavailable = delta.unavailable or self.unavailable
         self.final_usage = delta.usage or self.final_usage
 
     @property

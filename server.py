@@ -344,7 +344,7 @@ async def respond(request: web.Request, reply: Reply) -> web.StreamResponse:
         async for delta in deltas:
             reply.add(delta)
         if reply.error is not None:
-            raise ApiError(500, reply.error, "server_error")
+            raise ApiError(503 if reply.unavailable else 500, reply.error, "server_error")
         return web.json_response(reply.full())
     finally:
         # a disconnect cancels the handler (or fails a write): free the pages now

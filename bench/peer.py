@@ -2,13 +2,14 @@
 
     python -m bench.peer --llama-server PATH --gguf FILE [--model DIR]
         [--draft DIR --draft-gguf FILE] [--eagle DIR] [--mtp DIR]
-        [--methods plain draft ngram-simple ngram-mod eagle mtp hybrid draft-default
+        [--methods auto plain draft ngram-simple ngram-mod eagle mtp hybrid suffix draft-default
         draft-n3 draft-n8 draft-n16] [--batches 1 4]
         [--temperatures 0 1] [--max-tokens 128] [--prompts 8] [--repeats 3] [--rounds 1]
         [--k 4] [--fixed-k] [--ttft-tokens 2000] [--weights W]
         [--workload text|chat|complete|code-chat|edits] [--out F.json]
 
-One server runs at a time: ours `server.py --speculative none|draft|ngram|eagle|mtp|hybrid`
+One server runs at a time: ours `server.py --speculative
+auto|none|draft|ngram|suffix|eagle|mtp|hybrid` (auto: with `--auto-draft`'s model, if given)
 (its prefix cache off, as llama.cpp's prompt cache is), llama.cpp's `llama-server -np BATCH
 --spec-type none|draft-simple|ngram-simple|ngram-mod`, its drafts capped at k tokens like ours
 (`draft-default`: its draft model at its own default length; `draft-nN`: at N; its n-gram
@@ -72,6 +73,7 @@ CHAT_PROMPTS = ROOT / "train" / "chat_heldout_prompts.json"
 JSON = dict[str, Any]
 # method: (our --speculative, llama.cpp's --spec-type); None where that side lacks the method
 METHODS: dict[str, tuple[str | None, str | None]] = {
+    "auto": ("auto", None),  # our default: whatever pays, per request and step
     "plain": ("none", "none"),
     "draft": ("draft", "draft-simple"),
     "ngram-simple": ("ngram", "ngram-simple"),
@@ -79,6 +81,7 @@ METHODS: dict[str, tuple[str | None, str | None]] = {
     "eagle": ("eagle", None),
     "mtp": ("mtp", None),
     "hybrid": ("hybrid", None),  # suffix decoding, else the draft model
+    "suffix": ("suffix", None),
     # llama.cpp's draft model at its own default draft length, and at n-max 3, 8 and 16
     "draft-default": (None, "draft-simple@default"),
     **{f"draft-n{n}": (None, f"draft-simple@{n}") for n in (3, 8, 16)},
@@ -175,8 +178,9 @@ class Launch:
 
 def tandem_launch(spec: str, args: Namespace) -> Launch:
     heads = {"draft": args.draft, "eagle": args.eagle, "mtp": args.mtp, "hybrid": args.draft}
+    heads["auto"] = args.auto_draft
     command = [sys.executable, "server.py", "--model", str(args.model), "--speculative", spec]
-    if spec in heads:
+    if heads.get(spec) is not None:
         command += ["--draft", str(heads[spec])]
     if spec == "hybrid":
         command += ["--hybrid-head", "draft"]
@@ -489,6 +493,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Namespace:
     p.add_argument("--draft-gguf", type=Path, help="the draft model for llama.cpp")
     p.add_argument("--eagle", type=Path, default=DEMO / "eagle", help="our EAGLE head")
     p.add_argument("--mtp", type=Path, default=DEMO / "mtp", help="our MTP head")
+    p.add_argument("--auto-draft", type=Path, help="the model our `auto` may draft with")
     p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])

@@ -116,6 +116,9 @@ class Delta:
     # per token of token_ids: the drafter that proposed it and the target accepted, None for
     # the target's own (a step's last token, and every token of a step that did not draft)
     drafted: list[str | None] | None = None
+    # with the error: the same request may succeed if sent again (the replica serving it
+    # stopped, or none took it), which a non-streamed answer says with a 503
+    unavailable: bool = False
 
 
 @dataclass

@@ -5,7 +5,8 @@ Ray starts, places and restarts the replicas (engine/replica.py); our router (en
 picks a replica for each call, inside Ray's routing. What this adds: a request whose replica
 refused it (full, or its engine stopped) is sent to another, and one whose replica died before
 it delivered a token is sent again; one whose replica died after, or that no replica took,
-ends with an error delta (the server has begun a stream's answer by then). /health and
+ends with an error delta (the server has begun a stream's answer by then; a non-streamed
+answer is a 503, which the client may send again). /health and
 /metrics speak for every replica, from their statuses fetched each REFRESH_S.
 """
 
@@ -248,7 +249,9 @@ def _failed(request_id: str, replica: str | None, error: BaseException) -> Delta
         message = f"the replica serving this request ({replica}) stopped: {type(error).__name__}"
     else:
         message = f"no replica took this request: {error}"
-    return Delta(request_id, [], "", finish_reason=FinishReason.ERROR, error=message)
+    return Delta(
+        request_id, [], "", finish_reason=FinishReason.ERROR, error=message, unavailable=True
+    )
 
 
 def connect(replicas: ReplicasConfig) -> bool:

@@ -54,28 +54,29 @@ async def test_every_drafter_is_lossless_on_the_pairs_types(pair, plain, method,
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 async def test_the_real_pair_is_lossless_under_every_drafter():
-    """Qwen2.5-Coder-1.5B-Instruct served with each drafter of the pair (its 0.5B as the
-    draft model, with and without the draft vocabulary; n-gram; suffix; the hybrid): the
-    same greedy answer, token for token."""
+    """Qwen2.5-Coder-1.5B-Instruct served by name (the default policy over its 0.5B draft
+    model, n-gram and suffix decoding), each request naming its drafter, then the draft model
+    alone without the draft vocabulary: the same greedy answer, token for token."""
     chat = [{"role": "user", "content": "Write a Python function that reverses a string."}]
-    params = SamplingParams(max_tokens=32, temperature=0)
-    runs = {
-        "none": ("none", {}),
-        "draft": ("draft", {"draft_vocab": 0}),
-        "draft-vocab": ("draft", {}),
-        "ngram": ("ngram", {}),
-        "suffix": ("suffix", {}),
-        "hybrid": ("hybrid", {"hybrid_head": "draft"}),
-    }
     outputs = {}
-    for name, (method, spec) in runs.items():
-        config = make_config("qwen2.5-coder", method, k=4, max_model_len=1024, spec_kw=spec)
-        async with running(config) as engine:
-            ids = engine.tokenizer.encode_chat(chat)
-            deltas = await engine.generate(ids, params)
-            outputs[name] = token_ids(deltas)
-            if method in ("draft", "hybrid"):
-                assert deltas[-1].usage.accepted_tokens > 0
+
+    async def answer(engine, method: str) -> list[int]:
+        params = SamplingParams(max_tokens=32, temperature=0, speculative_method=method)
+        deltas = await engine.generate(engine.tokenizer.encode_chat(chat), params)
+        if method == "draft":
+            assert deltas[-1].usage.accepted_tokens > 0
+        return token_ids(deltas)
+
+    config = make_config("qwen2.5-coder", "auto", k=4, max_model_len=1024)
+    async with running(config) as engine:
+        assert set(engine.config.spec.drafters) == {"none", "auto", "draft", "ngram", "suffix"}
+        for method in engine.config.spec.drafters:
+            outputs[method] = await answer(engine, method)
+    config = make_config(
+        "qwen2.5-coder", "draft", k=4, max_model_len=1024, spec_kw={"draft_vocab": 0}
+    )
+    async with running(config) as engine:
+        outputs["draft-whole-vocabulary"] = await answer(engine, "draft")
     assert "def " in engine.tokenizer.decode(outputs["none"])
-    for name in runs:
-        assert outputs[name] == outputs["none"], name
+    for name, output in outputs.items():
+        assert output == outputs["none"], name

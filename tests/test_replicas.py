@@ -296,10 +296,33 @@ async def test_a_replica_killed_mid_stream(url: str, replicas: Any):
     await until_replaced(replicas, killed)
 
 
+@MODULE
+@cluster
+async def test_a_non_streamed_request_whose_replica_dies_is_a_503(url: str, replicas: Any):
+    """Its tokens never reached the client: the answer is a retryable 503, not a 500."""
+    timeout = aiohttp.ClientTimeout(sock_read=READ_TIMEOUT_S)
+    body = {"prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True}
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        answer = asyncio.ensure_future(session.post(url + "/v1/completions", json=body))
+        await asyncio.sleep(1.0)  # past its first tokens
+        killed = await kill_a_busy_replica(replicas)
+        async with await answer as response:
+            assert response.status == 503, await response.text()
+            assert killed in (await response.json())["error"]["message"]
+    await until_replaced(replicas, killed)
+
+
 async def one_request(session: aiohttp.ClientSession, url: str, n: int) -> str:
-    """A streamed request's outcome: ok (finished), error (an error event), or its status."""
-    body = STREAM | {"prompt": f"Story {n}: once upon a time", "max_tokens": 24}
-    async with session.post(url + "/v1/completions", json=body) as response:
+    """A request's outcome, streamed where n is even: ok (finished), error (an error event),
+    or its status."""
+    body = {"prompt": f"Story {n}: once upon a time", "max_tokens": 24}
+    if n % 2:
+        async with session.post(url + "/v1/completions", json=body) as response:
+            if response.status != 200:
+                return str(response.status)
+            finish = (await response.json())["choices"][0]["finish_reason"]
+            return "ok" if finish == "length" else finish
+    async with session.post(url + "/v1/completions", json=STREAM | body) as response:
         if response.status != 200:
             return str(response.status)
         received = [event async for event in events(response)]
