@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import re
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -157,9 +158,20 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 results[f"chats: {name}"] = await chats(url, args)
     if "overhead" in args.workloads:
         cpus = ["--replicas", "1", "--replica-cpus", "2"]
-        for name, command in {"one server": server(args), "1 replica": server(args, *cpus)}.items():
-            async with serving(command, log, args.start_timeout) as (url, _):
-                results[f"batch 1: {name}"] = await batch_one(url, args)
+        setups = {"one server": server(args), "1 replica": server(args, *cpus)}
+        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in setups}
+        for _ in range(args.rounds):  # the two in turn, so that the machine's drift hits both
+            for name, command in setups.items():
+                async with serving(command, log, args.start_timeout) as (url, _):
+                    rounds[name].append(await batch_one(url, args))
+        for name, measured in rounds.items():
+            results[f"batch 1: {name}"] = {
+                "decode_tokens_per_s": statistics.median(
+                    r["decode_tokens_per_s"] for r in measured
+                ),
+                "first_token_p50_s": statistics.median(r["first_token_p50_s"] for r in measured),
+                "rounds": measured,
+            }
     return results
 
 
@@ -188,6 +200,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--system-words", type=int, default=300, help="a system prompt's length")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens a chat turn")
     p.add_argument("--requests", type=int, default=6, help="batch-1 requests a setup")
+    p.add_argument("--rounds", type=int, default=1, help="overhead: the setups in turn, N times")
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds a server may take")
     p.add_argument("--log", type=Path, default=Path("/tmp/tandem-bench-replicas.log"))
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
