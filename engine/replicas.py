@@ -53,7 +53,7 @@ class Replicas:
 
     def __init__(self, config: EngineConfig, replicas: ReplicasConfig, shutdown_s: float):
         """Join Ray (or start it here) and deploy the replicas; returns once they serve."""
-        self.config, self.replicas = config, replicas
+        self.config, self.replicas, self.shutdown_s = config, replicas, shutdown_s
         self.app = f"tandem-{os.getpid()}"  # one per endpoint, on a cluster shared by several
         self.started_ray = connect(replicas)
         serve.start(proxy_location="Disabled")  # the endpoint is ours: no Serve HTTP proxy
@@ -97,9 +97,12 @@ class Replicas:
         self._refresh = asyncio.create_task(self._refresh_loop(), name="replicas")
 
     async def stop(self) -> None:
-        """Abort what runs, then delete the Serve application (and stop a Ray started here)."""
+        """Let what runs finish within the shutdown bound, abort the rest, then delete the
+        Serve application (and stop a Ray started here)."""
         if self._refresh is not None:
             self._refresh.cancel()
+        if self._streams:
+            await asyncio.wait(list(self._streams.values()), timeout=self.shutdown_s)
         for request_id in list(self.calls):
             self.abort(request_id)
         await asyncio.gather(*self._streams.values(), return_exceptions=True)

@@ -360,6 +360,62 @@ async def test_64_requests_over_8_clients_with_a_replica_killed_halfway(url: str
         await asyncio.sleep(0.2)
 
 
+@MODULE
+@cluster
+async def test_stopping_lets_a_running_stream_finish(url: str, replicas: Any):
+    """The deployment's last test: its shutdown drains what runs (within its 5 s bound)."""
+    timeout = aiohttp.ClientTimeout(sock_read=READ_TIMEOUT_S)
+    body = STREAM | {"prompt": "Once upon a time", "max_tokens": 64}
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with session.post(url + "/v1/completions", json=body) as response:
+            received = events(response)
+            first = [await anext(received)]
+            stopping = asyncio.ensure_future(replicas.stop())
+            rest = [event async for event in received]
+    await stopping
+    assert rest[-1] == b"[DONE]"
+    assert json.loads(rest[-2])["choices"][0]["finish_reason"] == "length", first + rest
+
+
+class FullReplicaA:
+    """Serve's handle over two replicas, "a" full (its engine refuses: Overloaded) and "b"
+    serving: the calls' `avoid` hints, as the router gets them."""
+
+    def __init__(self):
+        self.avoided: list[tuple[str, ...]] = []
+        self.generate = self
+
+    def options(self, **_: Any) -> FullReplicaA:
+        return self
+
+    def remote(self, ids: list[int], params: SamplingParams, request_id: str, avoid=()):
+        from core.request import Delta, FinishReason, Overloaded
+
+        self.avoided.append(avoid)
+
+        async def items() -> AsyncIterator[Any]:
+            replica = "b" if "a" in avoid else "a"
+            yield replica
+            if replica == "a":
+                raise Overloaded("2 requests are already running or waiting")
+            yield [Delta(request_id, [7], "x", finish_reason=FinishReason.LENGTH)]
+
+        return items()
+
+
+@cluster
+async def test_a_request_a_full_replica_refuses_is_sent_to_another():
+    need_ray()
+    from engine.replicas import Replicas
+
+    replicas = Replicas.__new__(Replicas)  # its calls alone, over a handle that stands for Serve's
+    replicas.handle, replicas.replicas = FullReplicaA(), ReplicasConfig(replicas=2)
+    deltas: list[Any] = []
+    await replicas._call([1, 2], SamplingParams(max_tokens=1), "req-0", deltas.append)
+    assert replicas.handle.avoided == [(), ("a",)]
+    assert [(d.token_ids, d.finish_reason, d.error) for d in deltas] == [([7], "length", None)]
+
+
 @cluster
 def test_the_prefix_index_follows_a_prompt_down_its_blocks():
     need_ray()
