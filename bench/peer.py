@@ -182,7 +182,7 @@ def tandem_launch(spec: str, args: Namespace) -> Launch:
     command = [sys.executable, "server.py", "--model", str(args.model), "--speculative", spec]
     if heads.get(spec) is not None:
         command += ["--draft", str(heads[spec])]
-    if spec == "hybrid":
+    if spec == "hybrid" or (spec == "auto" and args.auto_draft is not None):
         command += ["--hybrid-head", "draft"]
     # no prefix cache: llama.cpp's prompt cache is off too, and repeats must prefill anew
     command += ["--no-prefix-cache"]

@@ -13,7 +13,9 @@ PRIOR_WEIGHT = 4.0  # ... worth this many drafted positions
 FORGET = 0.95  # per step: recent steps count more (acceptance drifts with the text)
 # a lookup's drafts (n-gram, suffix) hold while the text repeats and fail at once where it
 # stops: their estimates forget fast, so that a drafter at zero acceptance is dropped within
-# a few steps (and, fading back toward the prior while idle, tried again later)
+# a few steps (and, fading back toward the prior while idle at FORGET's slower pace, tried
+# again some tens of steps later: a faster return had the pair's lookups retried every few
+# steps where the draft model paid, docs/performance.md)
 FREE_FORGET = 0.5
 FREE_DRAFTERS = ("ngram", "suffix")  # the drafters with no model, by name
 
@@ -54,18 +56,21 @@ class AcceptanceRate:
     accepted: float = PRIOR_RATE * PRIOR_WEIGHT
     trials: float = PRIOR_WEIGHT
     forget: float = FORGET
+    fade: float = FORGET  # per idle step: how fast the evidence returns to the prior
+    steps: int = 0  # the steps that drafted
 
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
             return
+        self.steps += 1
         self.accepted = self.forget * self.accepted + accepted
         self.trials = self.forget * self.trials + accepted + (accepted < drafted)
 
     def idle(self) -> None:
-        """A step that drafted nothing: the evidence fades toward the prior's, by FORGET.
+        """A step that drafted nothing: the evidence fades toward the prior's, by `fade`.
         Without it a low estimate would turn drafting off for good, since only drafting
         shows it otherwise."""
-        keep = self.forget
+        keep = self.fade
         self.accepted = keep * self.accepted + (1 - keep) * PRIOR_RATE * PRIOR_WEIGHT
         self.trials = keep * self.trials + (1 - keep) * PRIOR_WEIGHT
 
@@ -141,7 +146,9 @@ class Request:
     # --speculative auto: the acceptance of each drafter with no model (n-gram, suffix) for
     # this request, by name; the model's is `acceptance`
     free_rates: dict[str, AcceptanceRate] = field(
-        default_factory=lambda: {name: AcceptanceRate(forget=FREE_FORGET) for name in FREE_DRAFTERS}
+        default_factory=lambda: {
+            name: AcceptanceRate(forget=FREE_FORGET, fade=FORGET) for name in FREE_DRAFTERS
+        }
     )
     matcher: Matcher | None = None  # structured output: the grammar after the committed tokens
 

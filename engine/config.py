@@ -532,10 +532,9 @@ class EngineConfig:
     def _resolve_spec(self) -> None:
         """The model that hybrid and auto draft with where --hybrid-head is auto: the draft
         model where the target ships one; else the EAGLE head for hybrid, and for auto the
-        head --draft names or none (the shipped heads of SmolLM2 do not pay: docs/models.md).
-        Auto with no model is n-gram drafting under the cost model: the policy over n-gram and
-        suffix decoding alone measured slower on SmolLM2's chats (docs/performance.md). Set
-        once, here, before anyone reads it: the config is frozen."""
+        head --draft names or none (the shipped heads of SmolLM2 do not pay: docs/models.md;
+        auto then weighs n-gram and suffix decoding alone). Set once, here, before anyone
+        reads it: the config is frozen."""
         spec = self.spec
         if spec.hybrid_head == "auto":
             if self.model in WITH_DRAFT_MODEL:
@@ -543,8 +542,6 @@ class EngineConfig:
             else:
                 head = "eagle" if spec.method == "hybrid" or spec.draft else "none"
             spec = dataclasses.replace(spec, hybrid_head=head)
-        if spec.method == "auto" and spec.hybrid_head == "none":
-            spec = dataclasses.replace(spec, method="ngram")
         object.__setattr__(self, "spec", spec)
 
     @property

@@ -22,10 +22,14 @@ from collections.abc import Callable
 
 from core.request import Request, expected_tokens
 from core.step import CatchUp, DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
-from stages.draft import Drafter, ngram_lookup, with_host_drafts
+from stages.draft import Drafter, NoDrafter, ngram_lookup, with_host_drafts
 from stages.suffix import SuffixDrafter
 
 NONE = ""  # a row that drafts nothing
+# a request's first steps draft with the model until it has drafted this many: priced at the
+# prior alone, a costly model (the pair's 0.5B, 0.4 of a target forward a draft) would lose to
+# the lookups and to nothing before its acceptance was ever measured
+TRY_MODEL_STEPS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +53,7 @@ def best_length(rate: float, proposed: int, price: Callable[[int], float]) -> tu
 
 class PolicyDrafter:
     """The drafts of whatever pays, per request and step (the module docstring). `model`: the
-    draft model or head that drafts on the device."""
+    draft model or head that drafts on the device, or NoDrafter where there is none."""
 
     def __init__(
         self,
@@ -62,6 +66,9 @@ class PolicyDrafter:
     ):
         self.model, self.model_name, self.suffix, self.ngram = model, model_name, suffix, ngram
         self.max_k, self.prices = max_k, prices
+        # no model at hand (a target with neither a draft model nor a head): the free drafters
+        # alone, and the cost model's k is no model's offer
+        self.with_model = not isinstance(model, NoDrafter)
         self.target_layers = model.target_layers
         self.leader_only = model.leader_only
         self.lazy_refill = model.lazy_refill
@@ -91,9 +98,11 @@ class PolicyDrafter:
         free = self.free_drafts(request)
         if named in free:
             return named, free[named]()
-        model = k > 0
+        model = k > 0 and self.with_model
         if named != "auto":  # the model, or none
             return (self.model_name, None) if named != "none" and model else (NONE, [])
+        if model and request.acceptance.steps < TRY_MODEL_STEPS:
+            return self.model_name, None
         # at an equal speed, the option first in this order: nothing, then the drafts that
         # cost no model forward
         best: tuple[float, str, list[int] | None] = (1 / self.prices.free(0), NONE, [])

@@ -15,7 +15,8 @@ from core.params import SamplingParams
 from core.request import Request
 from engine.scheduler import Scheduler
 from kv.pages import PageAllocator
-from stages.policy import NONE, PolicyDrafter, Prices
+from stages.draft import NoDrafter
+from stages.policy import NONE, TRY_MODEL_STEPS, PolicyDrafter, Prices
 from stages.suffix import SuffixDrafter
 from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
 
@@ -33,8 +34,8 @@ class NoModel:
     lazy_refill = True
 
 
-def policy(model: bool = True) -> PolicyDrafter:
-    return PolicyDrafter(NoModel() if model else None, MODEL, SuffixDrafter(), (1, 4), K, PRICES)  # type: ignore[arg-type]
+def policy() -> PolicyDrafter:
+    return PolicyDrafter(NoModel(), MODEL, SuffixDrafter(), (1, 4), K, PRICES)  # type: ignore[arg-type]
 
 
 def scheduler() -> Scheduler:
@@ -93,7 +94,9 @@ def test_the_policy_turns_from_a_free_drafter_to_the_model_when_the_text_turns_n
     choices = []
     while len(script.request.output_ids) < len(script.truth) - 1:
         choices.append((len(script.request.output_ids), script.step(drafter, sched)))
-    copying = [by for at, by in choices if at < len(copied) - 2 - K]
+    # the model first, until its acceptance is measured; then the lookups while they copy
+    assert [by for _, by in choices[:TRY_MODEL_STEPS]] == [MODEL] * TRY_MODEL_STEPS
+    copying = [by for at, by in choices[TRY_MODEL_STEPS:] if at < len(copied) - 2 - K]
     fresh = [by for at, by in choices if at > len(copied) + 16]
     assert copying and all(by in ("ngram", "suffix") for by in copying), choices
     assert fresh and fresh.count(MODEL) >= 0.8 * len(fresh), choices
@@ -115,6 +118,16 @@ def test_a_drafter_at_zero_acceptance_is_dropped_within_a_few_steps_and_tried_ag
     first_stop = next(i for i, by in enumerate(choices) if by == NONE)
     assert first_stop <= 6, choices  # dropped within a few steps
     assert any(i > first_stop + 5 for i in drafted), choices  # and tried again later
+
+
+def test_with_no_model_the_free_drafters_alone_are_weighed():
+    """A target with no draft model or head: the cost model's k offers no model, so a row
+    the lookups cannot help drafts nothing (a row of the model's would verify k empty drafts)."""
+    drafter = PolicyDrafter(NoDrafter(), "none", SuffixDrafter(), (1, 4), K, PRICES)
+    script = Script([5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16], model_rate=0.0)
+    sched = scheduler()
+    choices = [script.step(drafter, sched) for _ in range(6)]
+    assert choices == [NONE] * 6
 
 
 def test_a_request_may_name_one_drafter():

@@ -427,8 +427,9 @@ async def test_overload_is_a_503_with_retry_after(
 
 def test_config_from_args() -> None:
     config, options = config_from_args([])
-    # auto with no model: n-gram under the cost model
-    assert config.model == "smollm2" and config.spec.method == "ngram" and config.spec.adaptive_k
+    # auto with no model: the policy over n-gram and suffix decoding
+    assert config.model == "smollm2" and config.spec.method == "auto" and config.spec.adaptive_k
+    assert config.spec.drafting_model == "none"
     demo, _ = config_from_args(["--model", "demo"])
     assert demo.model == "demo" and demo.spec.drafting_model == "draft"
     assert (options.host, options.port, options.api_key) == ("127.0.0.1", 8000, None)
@@ -463,7 +464,7 @@ def test_every_flag_defaults_to_its_fields_default() -> None:
             assert (tuple(value) if f.metadata["many"] else value) == f.default, f.name
     assert parsed == {}, "flags without a field"
     config, options = config_from_args([])
-    resolved = SpecConfig("ngram", hybrid_head="none")  # auto on SmolLM2: no model
+    resolved = SpecConfig(hybrid_head="none")  # auto on SmolLM2: no model
     assert (config.spec, config.kv, options) == (resolved, KVConfig(), ServerOptions())
 
 
