@@ -44,6 +44,9 @@ from models.attention import CausalAttention
 log = logging.getLogger("tandem.cost")
 
 FACTOR_SMOOTHING = 0.1  # weight of a new measurement in a correction factor
+# saved curves this far from a forward timed at start (and by more than STALE_S) are measured
+# again: curves measured on another machine, or while other work ran, would misprice every k
+STALE, STALE_S = 2.0, 0.005
 
 
 @dataclass
@@ -181,9 +184,6 @@ def build_cost_model(
     """The cost model of a target and drafter (`probe(n)`: a drafter forward over n tokens),
     its curves loaded from the calibration file `path` or measured now (a few seconds) and
     saved there."""
-    saved = Calibration.read(path) if path else None
-    if saved is not None:
-        return CostModel(saved, k_max, drafter.lazy_refill)
     device = target.norm.weight.device
 
     def verify(num_tokens: int) -> None:
@@ -196,6 +196,15 @@ def build_cost_model(
         drafter.probe(num_tokens)
         _wait(device)
 
+    saved = Calibration.read(path) if path else None
+    if saved is not None:
+        with torch.inference_mode():
+            now = Calibration(measure_curve(verify, [1]), measure_curve(draft, [1]))
+        if not stale(saved, now):
+            return CostModel(saved, k_max, drafter.lazy_refill)
+        log.warning(
+            "the cost model's saved curves disagree with a one-token forward now: measuring"
+        )
     sizes = calibration_sizes(max_rows * (k_max + 1)), calibration_sizes(max_rows)
     log.info("measuring the cost model's curves (a first start's; kept in %s)", path)
     start = time.perf_counter()
@@ -214,6 +223,14 @@ def build_cost_model(
     if path:
         calibration.save(path)
     return CostModel(calibration, k_max, drafter.lazy_refill)
+
+
+def stale(saved: Calibration, now: Calibration) -> bool:
+    """Whether saved curves were measured on another machine or under load: a one-token
+    forward (target or drafter) now more than STALE times faster or slower than they say, and
+    by more than STALE_S (a tiny model's or a drafter without a model's never are)."""
+    pairs = [(saved.verify(1), now.verify(1)), (saved.draft(1), now.draft(1))]
+    return any(max(a, b) > STALE * min(a, b) + STALE_S for a, b in pairs)
 
 
 def _wait(device: torch.device) -> None:
