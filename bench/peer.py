@@ -178,7 +178,7 @@ class Launch:
 
 def tandem_launch(spec: str, args: Namespace) -> Launch:
     heads = {"draft": args.draft, "eagle": args.eagle, "mtp": args.mtp, "hybrid": args.draft}
-    heads["auto"] = args.auto_draft
+    heads |= {"auto": args.auto_draft}  # None: the lookups alone
     command = [sys.executable, "server.py", "--model", str(args.model), "--speculative", spec]
     if heads.get(spec) is not None:
         command += ["--draft", str(heads[spec])]
