@@ -162,31 +162,31 @@ def test_engine_calibrates_saves_and_reloads(tiny_target, tiny_draft, tmp_path, 
     assert saved["verify"]["tokens"][-1] == 64 * 5  # max_running rows of k + 1 tokens
 
 
+def calibration_at_start(config) -> Calibration:
+    """The cost model's curves of an engine started on `config` (and stopped)."""
+
+    async def start() -> Calibration:
+        async with running(config) as engine:
+            return engine.cost.calibration
+
+    return asyncio.run(start())
+
+
 def test_saved_curves_a_forward_now_contradicts_are_measured_again(
     tiny_target, tiny_draft, tmp_path, caplog
 ):
     """A calibration saved while the CPU was busy (here: every time 50x and 0.1 s more) is
     caught by the one-token forwards timed at start, measured again and saved again."""
     path = tmp_path / "calibration.json"
-    config = make_config(
-        tiny_target,
-        "draft",
-        tiny_draft,
-        k=4,
-        spec_kw={"adaptive_k": True, "calibration": str(path)},
-    )
-
-    async def start() -> Calibration:
-        async with running(config) as engine:
-            return engine.cost.calibration
-
-    asyncio.run(start())
+    spec = {"adaptive_k": True, "calibration": str(path)}
+    config = make_config(tiny_target, "draft", tiny_draft, k=4, spec_kw=spec)
+    calibration_at_start(config)
     busy = json.loads(path.read_text())
     for curve in ("verify", "draft"):
         busy[curve]["seconds"] = [50 * s + 0.1 for s in busy[curve]["seconds"]]
     path.write_text(json.dumps(busy))
     caplog.set_level(logging.WARNING, logger="tandem.cost")
-    again = asyncio.run(start())
+    again = calibration_at_start(config)
     assert again.verify(1) < 0.1 and json.loads(path.read_text())["verify"]["seconds"][0] < 0.1
     assert any("disagree" in r.message for r in caplog.records)
 
@@ -197,16 +197,12 @@ def test_without_a_path_the_curves_are_cached_for_the_next_start(
     monkeypatch.setenv("TANDEM_CACHE", str(tmp_path))
     config = make_config(tiny_target, "draft", tiny_draft, k=4, spec_kw={"adaptive_k": True})
 
-    async def start() -> Calibration:
-        async with running(config) as engine:
-            return engine.cost.calibration
-
-    first = asyncio.run(start())
+    first = calibration_at_start(config)
     files = list(tmp_path.glob("calibration-*.json"))
     assert len(files) == 1
-    assert asyncio.run(start()) == first  # loaded, not measured again
+    assert calibration_at_start(config) == first  # loaded, not measured again
     files[0].write_text("{not json")  # a damaged cache is measured again and rewritten
-    remeasured = asyncio.run(start())
+    remeasured = calibration_at_start(config)
     assert Calibration.load(files[0]) == remeasured
 
 
