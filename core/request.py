@@ -18,6 +18,10 @@ FORGET = 0.95  # per step: recent steps count more (acceptance drifts with the t
 # steps where the draft model paid, docs/performance.md)
 FREE_FORGET = 0.5
 FREE_DRAFTERS = ("ngram", "suffix")  # the drafters with no model, by name
+# a lookup's prior is what it accepted across the engine's recent requests (a workload where
+# the text never repeats says so once, not once a request); that estimate forgets more slowly
+# and, while the lookup drafts nowhere, fades back to PRIOR_RATE, so that it is tried again
+ENGINE_FORGET, ENGINE_FADE = 0.98, 0.99
 
 
 class FinishReason(enum.StrEnum):
@@ -53,11 +57,19 @@ class AcceptanceRate:
     A step that drafted n tokens and accepted a of them saw a acceptances and, if a < n, one
     rejection; the estimate is acceptances over trials, both decayed by FORGET each step."""
 
-    accepted: float = PRIOR_RATE * PRIOR_WEIGHT
-    trials: float = PRIOR_WEIGHT
+    prior: float = PRIOR_RATE  # where the estimate starts, and returns to while idle
     forget: float = FORGET
     fade: float = FORGET  # per idle step: how fast the evidence returns to the prior
     steps: int = 0  # the steps that drafted
+    accepted: float = field(init=False)
+    trials: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.restart(self.prior)
+
+    def restart(self, prior: float) -> None:
+        """The prior's evidence alone, from `prior`."""
+        self.prior, self.accepted, self.trials = prior, prior * PRIOR_WEIGHT, PRIOR_WEIGHT
 
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
@@ -71,7 +83,7 @@ class AcceptanceRate:
         Without it a low estimate would turn drafting off for good, since only drafting
         shows it otherwise."""
         keep = self.fade
-        self.accepted = keep * self.accepted + (1 - keep) * PRIOR_RATE * PRIOR_WEIGHT
+        self.accepted = keep * self.accepted + (1 - keep) * self.prior * PRIOR_WEIGHT
         self.trials = keep * self.trials + (1 - keep) * PRIOR_WEIGHT
 
     @property

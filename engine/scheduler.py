@@ -11,7 +11,13 @@ from __future__ import annotations
 import bisect
 from collections import deque
 
-from core.request import Request
+from core.request import (
+    ENGINE_FADE,
+    ENGINE_FORGET,
+    FREE_DRAFTERS,
+    AcceptanceRate,
+    Request,
+)
 from core.step import Batch, Sequence, StepKind
 from kv.pages import OutOfPages, PageAllocator
 from kv.prefix import PrefixIndex
@@ -41,6 +47,10 @@ class Scheduler:
         self.free_rows = list(range(max_running - 1, -1, -1))
         self.num_preemptions = 0
         self._last_kind = StepKind.DECODE
+        # each lookup's acceptance across the requests: a new request's prior (core/request.py)
+        self.free_priors = {
+            name: AcceptanceRate(forget=ENGINE_FORGET, fade=ENGINE_FADE) for name in FREE_DRAFTERS
+        }
 
     @property
     def prefixes(self) -> PrefixIndex | None:
@@ -48,6 +58,10 @@ class Scheduler:
         return self.allocator.prefixes
 
     def add(self, request: Request) -> None:
+        """Queued; its lookups' estimates start from what they accepted for the requests
+        before it."""
+        for name, prior in self.free_priors.items():
+            request.free_rates[name].restart(prior.rate)
         self.waiting.append(request)
 
     def schedule(self, step: int, lookahead: int | None = None) -> Batch | None:
@@ -101,6 +115,12 @@ class Scheduler:
         drafter = request.free_rates.get(by) if by else None
         if drafter is None and by != "" and drafted is not None:
             drafter = request.acceptance  # the model drafted
+        for name, prior in self.free_priors.items():
+            if name == by:
+                prior.observe(drafted or 0, accepted)
+            else:
+                prior.idle()
+            request.free_rates[name].prior = prior.rate
         for estimate in (request.acceptance, *request.free_rates.values()):
             if estimate is drafter:
                 estimate.observe(drafted or 0, accepted)

@@ -9,10 +9,12 @@ so that a drafter that stopped paying is tried again after a while) and each opt
 the cost model's curves for a one-row step: a free draft of n tokens costs the verify of n + 1
 rows, the model's k drafts the verify of k + 1 rows and its k forwards, nothing the verify of
 one row. A draft model that lacks a request's KV (its prefill deferred, refills skipped) first
-catches up: that forward is priced too, spread over the steps left to the request. The
-model's k is the cost model's choice for the batch (0: the model does not draft this step).
-Every choice is lossless because each drafter is: the target verifies whatever
-was proposed. A request may name one drafter alone (`speculative_method`).
+catches up: that forward is priced too, spread over the steps left to the request; and
+leaving a caught-up draft model for a step costs the catch-up that the step's tokens will need
+(its refill skipped). A lookup's prior is what it accepted for the engine's requests before.
+The model's k is the cost model's choice for the batch (0: the model does not draft this
+step). Every choice is lossless because each drafter is: the target verifies whatever was
+proposed. A request may name one drafter alone (`speculative_method`).
 """
 
 from __future__ import annotations
@@ -103,17 +105,22 @@ class PolicyDrafter:
             return (self.model_name, None) if named != "none" and model else (NONE, [])
         if model and request.acceptance.steps < TRY_MODEL_STEPS:
             return self.model_name, None
+        # leaving a model that is caught up (for nothing or a lookup) costs one more of its
+        # forwards later: the lazy refill skips this step's tokens, a catch-up runs them
+        caught_up = self.lazy_refill and seq.draft_from is None
+        switch = self.prices.catch_up(1) if model and caught_up else 0.0
+        price = lambda n: self.prices.free(n) + switch  # noqa: E731
         # at an equal speed, the option first in this order: nothing, then the drafts that
         # cost no model forward
-        best: tuple[float, str, list[int] | None] = (1 / self.prices.free(0), NONE, [])
+        best: tuple[float, str, list[int] | None] = (1 / price(0), NONE, [])
         model_speed = self._model_speed(seq, k) if model else 0.0
         for name, propose in free.items():
             estimate = request.free_rates[name]
-            _, bound = best_length(estimate.rate, self.max_k, self.prices.free)
+            _, bound = best_length(estimate.rate, self.max_k, price)
             if bound <= best[0] or bound < model_speed:  # not even a full draft would win
                 continue
             tokens = propose()
-            n, speed = best_length(estimate.rate, len(tokens), self.prices.free)
+            n, speed = best_length(estimate.rate, len(tokens), price)
             best = max(best, (speed, name, tokens[:n]), key=_speed)
         if model:
             best = max(best, (model_speed, self.model_name, None), key=_speed)

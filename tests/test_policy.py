@@ -12,7 +12,7 @@ import dataclasses
 import random
 
 from core.params import SamplingParams
-from core.request import Request
+from core.request import PRIOR_RATE, Request
 from engine.scheduler import Scheduler
 from kv.pages import PageAllocator
 from stages.draft import NoDrafter
@@ -118,6 +118,31 @@ def test_a_drafter_at_zero_acceptance_is_dropped_within_a_few_steps_and_tried_ag
     first_stop = next(i for i, by in enumerate(choices) if by == NONE)
     assert first_stop <= 6, choices  # dropped within a few steps
     assert any(i > first_stop + 5 for i in drafted), choices  # and tried again later
+
+
+def test_a_lookup_that_failed_the_requests_before_starts_a_new_one_lower():
+    """The engine's own measure of each lookup is a new request's prior: after a request
+    whose lookups mostly failed, the next one starts from what they accepted, and its
+    estimate fades back to that, not to PRIOR_RATE; a fresh engine's request starts at it."""
+    rng = random.Random(3)
+    pattern = [rng.randrange(100, 300) for _ in range(8)]
+    truth = [rng.randrange(300, 500) if i % 2 else pattern[i % 8] for i in range(120)]
+    drafter, sched = policy(), scheduler()
+    first = Script(pattern * 4, truth, model_rate=0.0)
+    sched.add(first.request)
+    for _ in range(60):
+        first.step(drafter, sched, k=0)
+    measured = sched.free_priors["ngram"].rate
+    assert measured < PRIOR_RATE / 2
+    second = Script(pattern * 4, truth, model_rate=0.0)
+    sched.add(second.request)
+    assert second.request.free_rates["ngram"].rate == measured
+    for _ in range(40):  # the model drafting every step: the lookups' estimates fade
+        sched.observe(second.request, K, K, MODEL)
+    assert second.request.free_rates["ngram"].rate < (measured + PRIOR_RATE) / 2
+    fresh = Script(pattern * 4, truth, model_rate=0.0)
+    scheduler().add(fresh.request)
+    assert fresh.request.free_rates["ngram"].rate == PRIOR_RATE
 
 
 def test_with_no_model_the_free_drafters_alone_are_weighed():
