@@ -145,6 +145,25 @@ def test_a_lookup_that_failed_the_requests_before_starts_a_new_one_lower():
     assert fresh.request.free_rates["ngram"].rate == PRIOR_RATE
 
 
+def test_leaving_a_caught_up_draft_model_prices_its_catch_up():
+    """A lookup that would beat the model on the verify's price alone loses once the catch-up
+    it leaves the draft model (a forward over the step's tokens, its refill skipped) is
+    counted; where the draft model already lags, that forward is owed either way."""
+    prices = dataclasses.replace(PRICES, catch_up=lambda n: 1.0)
+    drafter = PolicyDrafter(NoModel(), MODEL, SuffixDrafter(), (1, 4), K, prices)  # type: ignore[arg-type]
+    request = Request("r", [5, 6, 7, 8, 9] * 3, SamplingParams(max_tokens=64), 0, 0.0)
+    request.acceptance.restart(0.8)
+    request.acceptance.steps = TRY_MODEL_STEPS
+    request.free_rates["ngram"].restart(0.9)
+    request.free_rates["suffix"].restart(0.0)
+    seq = FakeSeq(request)
+    drafter.host_drafts([seq], K)  # type: ignore[list-item]
+    assert drafter.chosen == [MODEL]
+    seq.draft_from = request.num_tokens - 1  # lagging: the lookup's tokens cost it nothing more
+    drafter.host_drafts([seq], K)  # type: ignore[list-item]
+    assert drafter.chosen == ["ngram"]
+
+
 def test_with_no_model_the_free_drafters_alone_are_weighed():
     """A target with no draft model or head: the cost model's k offers no model, so a row
     the lookups cannot help drafts nothing (a row of the model's would verify k empty drafts)."""
