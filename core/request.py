@@ -18,9 +18,11 @@ FORGET = 0.95  # per step: recent steps count more (acceptance drifts with the t
 # steps where the draft model paid, docs/performance.md)
 FREE_FORGET = 0.5
 FREE_DRAFTERS = ("ngram", "suffix")  # the drafters with no model, by name
-# a lookup's prior is what it accepted across the engine's recent requests (a workload where
-# the text never repeats says so once, not once a request); that estimate forgets more slowly
-# and, while the lookup drafts nowhere, fades back to PRIOR_RATE, so that it is tried again
+MODEL = "model"  # the model's estimate (Request.acceptance) among the drafters' by name
+# a new request's prior for each drafter is what it accepted across the engine's recent
+# requests (a workload where the text never repeats says so once, not once a request); that
+# estimate forgets more slowly and, while the drafter drafts nowhere, fades back to
+# PRIOR_RATE, so that it is tried again
 ENGINE_FORGET, ENGINE_FADE = 0.98, 0.99
 
 

@@ -267,10 +267,6 @@ class Builder:
             else [],
         )
 
-    def quantized(self, model_dir: Path) -> bool:
-        """Whether the target is a GGUF file served at its own types."""
-        return self.config.quantized and is_gguf(model_dir)
-
     def attention(self, head_dim: int) -> AttentionBackend:
         """The backend every forward runs; FlashInfer's kernels are built for some head sizes
         only, so `--attention auto` takes torch for the others and `flashinfer` refuses them."""

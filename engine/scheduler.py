@@ -11,13 +11,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 
-from core.request import (
-    ENGINE_FADE,
-    ENGINE_FORGET,
-    FREE_DRAFTERS,
-    AcceptanceRate,
-    Request,
-)
+from core.request import ENGINE_FADE, ENGINE_FORGET, FREE_DRAFTERS, MODEL, AcceptanceRate, Request
 from core.step import Batch, Sequence, StepKind
 from kv.pages import OutOfPages, PageAllocator
 from kv.prefix import PrefixIndex
@@ -47,9 +41,10 @@ class Scheduler:
         self.free_rows = list(range(max_running - 1, -1, -1))
         self.num_preemptions = 0
         self._last_kind = StepKind.DECODE
-        # each lookup's acceptance across the requests: a new request's prior (core/request.py)
-        self.free_priors = {
-            name: AcceptanceRate(forget=ENGINE_FORGET, fade=ENGINE_FADE) for name in FREE_DRAFTERS
+        # each drafter's acceptance across the requests: a new request's prior (core/request.py)
+        self.priors = {
+            name: AcceptanceRate(forget=ENGINE_FORGET, fade=ENGINE_FADE)
+            for name in (MODEL, *FREE_DRAFTERS)
         }
 
     @property
@@ -58,10 +53,10 @@ class Scheduler:
         return self.allocator.prefixes
 
     def add(self, request: Request) -> None:
-        """Queued; its lookups' estimates start from what they accepted for the requests
+        """Queued; its drafters' estimates start from what they accepted for the requests
         before it."""
-        for name, prior in self.free_priors.items():
-            request.free_rates[name].restart(prior.rate)
+        for name, estimate in _estimates(request).items():
+            estimate.restart(self.priors[name].rate)
         self.waiting.append(request)
 
     def schedule(self, step: int, lookahead: int | None = None) -> Batch | None:
@@ -112,20 +107,17 @@ class Scheduler:
         model's (the cost model's), and under a policy (`by`: who drafted, "" none) the free
         drafters'; `drafted` None: the cost model chose not to draft. The estimates of the
         drafters that did not draft fade toward the prior, so that they are tried again."""
-        drafter = request.free_rates.get(by) if by else None
+        drafter = by if by in request.free_rates else None
         if drafter is None and by != "" and drafted is not None:
-            drafter = request.acceptance  # the model drafted
-        for name, prior in self.free_priors.items():
-            if name == by:
-                prior.observe(drafted or 0, accepted)
-            else:
-                prior.idle()
-            request.free_rates[name].prior = prior.rate
-        for estimate in (request.acceptance, *request.free_rates.values()):
-            if estimate is drafter:
-                estimate.observe(drafted or 0, accepted)
-            else:
-                estimate.idle()
+            drafter = MODEL
+        for name, estimate in _estimates(request).items():
+            prior = self.priors[name]
+            for rate in (prior, estimate):
+                if name == drafter:
+                    rate.observe(drafted or 0, accepted)
+                else:
+                    rate.idle()
+            estimate.prior = prior.rate
 
     def unplanned(self, seq: Sequence, step: int) -> None:
         """The step was planned but never ran: the sequence's pages wait for the one before."""
@@ -238,3 +230,8 @@ class Scheduler:
             self.prefixes.insert(seq.request.all_ids[:end], seq.table.pages, drafted)
         seq.table.truncate(self.allocator, 0, after_step=max(seq.last_step, step - 1))
         self.free_rows.append(seq.row)
+
+
+def _estimates(request: Request) -> dict[str, AcceptanceRate]:
+    """A request's acceptance estimate of each drafter, by name (MODEL: the model's)."""
+    return {MODEL: request.acceptance, **request.free_rates}

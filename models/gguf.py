@@ -30,7 +30,7 @@ from models.checkpoint import CheckpointError, to_be_loaded
 from models.gguf_file import GGUFFormatError, Tensor, read_gguf
 from models.linear import QuantLinear, TiedEmbedding
 from models.llama import LlamaConfig, LlamaModel, Rotary
-from models.quant import CODE_TYPES, Codes, Packed, cat, codes_of, packed, packed_rows
+from models.quant import CODE_TYPES, Codes, PackedWeight, cat, codes_of, packed_rows, packed_weight
 
 # GGUF tensor name -> ours, per layer ({} is the layer)
 LAYER_NAMES = {
@@ -319,7 +319,7 @@ def _quantized(meta: Metadata, cfg: LlamaConfig, model: LlamaModel) -> dict[str,
     return state
 
 
-def _read(t: Tensor, cfg: LlamaConfig, alone: bool) -> Codes | Packed | None:
+def _read(t: Tensor, cfg: LlamaConfig, alone: bool) -> Codes | PackedWeight | None:
     """A matrix of a type with codes: packed as read, in parts, where the kernels run and it
     is a product of its own; else its codes, to be fused (rows put back in rotate-half order
     where llama.cpp permuted them). None for other types."""
@@ -340,7 +340,7 @@ def _float(t: Tensor, cfg: LlamaConfig) -> torch.Tensor:
     return _unpermute(w, heads) if heads else w
 
 
-def _stacked(parts: list[Codes | Packed]) -> Codes | Packed | list[Packed] | None:
+def _stacked(parts: list[Codes | PackedWeight]) -> Codes | PackedWeight | list[PackedWeight] | None:
     """One weight, or several read as codes (a fused group's) stacked by models.quant.cat
     where they are of one type, or else packed as parts run side by side, neighbours of one
     type stacked (the native kernels'; None on torch's path)."""
@@ -356,10 +356,10 @@ def _stacked(parts: list[Codes | Packed]) -> Codes | Packed | list[Packed] | Non
             runs[-1].append(c)
         else:
             runs.append([c])
-    return [packed(run_codes) for run in runs if (run_codes := cat(run)) is not None]
+    return [packed_weight(run_codes) for run in runs if (run_codes := cat(run)) is not None]
 
 
-def _dequantized(weight: Codes | Packed) -> torch.Tensor:
+def _dequantized(weight: Codes | PackedWeight) -> torch.Tensor:
     """[O, I] float32 of codes, or of a packed weight (by the kernels' row lookup)."""
     if isinstance(weight, Codes):
         return weight.dequantize()
@@ -379,7 +379,7 @@ def head_rows(path: str | Path, ids: torch.Tensor) -> QuantLinear | None:
     return QuantLinear(packed_rows(rows, len(wanted), t.tensor_type, int(t.shape[0])))
 
 
-def _quantized_vocab(model: LlamaModel, name: str, weight: Codes | Packed, two: bool) -> None:
+def _quantized_vocab(model: LlamaModel, name: str, weight: Codes | PackedWeight, two: bool) -> None:
     """The lm_head or the embedding, a quantized table read where it is packed (a tied one
     once, by both); `two`: its product's activations in two terms."""
     product = QuantLinear(weight, two_terms=two)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models import native
-from models.quant import TWO_TERMS, Codes, Packed, packed
+from models.quant import TWO_TERMS, Codes, PackedWeight, packed_weight
 
 
 class FusedLinear(nn.Module):
@@ -102,7 +102,7 @@ class QuantLinear(nn.Module):
 
     def __init__(
         self,
-        weight: Codes | Packed | list[Packed],
+        weight: Codes | PackedWeight | list[PackedWeight],
         sizes: Sequence[int] = (),
         bias: torch.Tensor | None = None,
         two_terms: bool = False,
@@ -114,7 +114,7 @@ class QuantLinear(nn.Module):
         TWO_TERMS; torch's path is exact anyway)."""
         super().__init__()
         if isinstance(weight, Codes) and native.quant_path() != "torch":
-            weight = packed(weight)
+            weight = packed_weight(weight)
         parts = weight if isinstance(weight, list) else [weight]
         self.register_buffer("bias", bias, persistent=False)
         self.sizes = list(sizes) or [sum(p.shape[0] for p in parts)]
@@ -122,11 +122,11 @@ class QuantLinear(nn.Module):
         # exactly one of: packed for the kernels (one weight, or parts), or codes for torch's
         self.packed: torch.Tensor | None = None
         self.codes: Codes | None = None
-        self.parts: list[Packed] = []
+        self.parts: list[PackedWeight] = []
         self.terms = TWO_TERMS if two_terms else 0
         if isinstance(weight, Codes):
             self.codes, self.form = weight, weight.form
-        elif isinstance(weight, Packed):
+        elif isinstance(weight, PackedWeight):
             self.packed, self.form = weight.data, weight.form | self.terms
         else:
             self.parts, self.form = weight, -1  # quant.c: a qgemm_parts table

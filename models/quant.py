@@ -209,7 +209,7 @@ def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, Super
     return codes, d * low.astype(np.float32), -(dmin * mins.astype(np.float32)), supers
 
 
-def pack(c: Codes) -> torch.Tensor:
+def pack_codes(c: Codes) -> torch.Tensor:
     """The packed layout of models/quant.c: for each 16 outputs (zero-padded) and 32 inputs,
     a chunk of the codes, output o's four inputs of group g (inputs 4g..4g+3) in bytes
     4o..4o+3 of a 64-byte vector: 8-bit codes in eight vectors, vector g group g's; narrower
@@ -281,22 +281,22 @@ def exact_in_half(c: Codes) -> bool:
 
 
 @dataclass(frozen=True)
-class Packed:
+class PackedWeight:
     """A weight in the layout of the native products, with what they need to read it."""
 
-    data: torch.Tensor  # [bytes] uint8 (pack)
+    data: torch.Tensor  # [bytes] uint8 (pack_codes)
     shape: tuple[int, int]  # O, I
     form: int  # quant.c's qweight: bits, float16 scales, zero, supers
     supers_bytes: int = 0  # the float16 scales at the end of `data` (K types)
 
 
-def packed(c: Codes) -> Packed:
+def packed_weight(c: Codes) -> PackedWeight:
     """c packed, its scales in float16 where they are exact there (else float32)."""
     if c.half and not exact_in_half(c):
         c = replace(c, half=False)
     sets = -(-c.shape[0] // QO) * (c.shape[1] // (QK * SUPER))
     per_set = 0 if c.supers is None else 2 * QO * (1 if c.supers.dmin is None else 2)
-    return Packed(pack(c), c.shape, c.form, sets * per_set)
+    return PackedWeight(pack_codes(c), c.shape, c.form, sets * per_set)
 
 
 PACK_ROWS = 4096  # outputs read and packed at a time: a large table's temporaries stay small
@@ -304,14 +304,14 @@ PACK_ROWS = 4096  # outputs read and packed at a time: a large table's temporari
 
 def packed_rows(
     read: Callable[[int, int], np.ndarray], rows: int, kind: GGML, inputs: int
-) -> Packed:
-    """A tensor's codes packed PACK_ROWS outputs at a time (whole output blocks, which pack
+) -> PackedWeight:
+    """A tensor's codes packed PACK_ROWS outputs at a time (whole output blocks, which pack_codes
     alone: the chunks go block after block, as do a K type's float16 scales after them) into
     one buffer; `read(start, stop)`: the tensor's bytes of those outputs."""
     data, chunk_at, super_at, forms = None, 0, 0, set[int]()
     blocks = -(-rows // QO)
     for start in range(0, rows, PACK_ROWS):
-        part = packed(codes_of(read(start, start + PACK_ROWS), kind, inputs))
+        part = packed_weight(codes_of(read(start, start + PACK_ROWS), kind, inputs))
         part_blocks = -(-part.shape[0] // QO)
         chunks = part.data.numel() - part.supers_bytes
         if data is None:  # every part packs blocks of these sizes
@@ -323,5 +323,5 @@ def packed_rows(
         chunk_at, super_at = chunk_at + chunks, super_at + part.supers_bytes
         forms |= {part.form}
     if data is None or len(forms) > 1:  # a part's scales overflowed float16: all float32
-        return packed(replace(codes_of(read(0, rows), kind, inputs), half=False))
-    return Packed(data, (rows, inputs), forms.pop(), data.numel() - chunk_at)
+        return packed_weight(replace(codes_of(read(0, rows), kind, inputs), half=False))
+    return PackedWeight(data, (rows, inputs), forms.pop(), data.numel() - chunk_at)

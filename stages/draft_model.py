@@ -101,7 +101,14 @@ class DraftModelDrafter:
         hidden, _ = self.model(ids, ids, CausalAttention(num_tokens, 1))
         self.model.logits(hidden)
 
-    def _catch_up(self, dev, index, last_input, verdict, accepted) -> int:
+    def _catch_up(
+        self,
+        dev: DevicePlan,
+        index: torch.Tensor | None,  # [E] the sequences taking part (None: all)
+        last_input: torch.Tensor | None,  # [E] the last accepted input, where rewritten
+        verdict: Verdict,
+        accepted: torch.Tensor,  # [E] accepted drafts
+    ) -> int:
         """Run the draft over the emitted token (position base + a + 1), after the last accepted
         input (position base + a) when given: for a sequence whose input there already has its
         KV, rewriting it is harmless and keeps shapes fixed. Returns how many tokens per sequence
@@ -154,7 +161,15 @@ class DraftModelDrafter:
         the model computes in (a 16-bit model's logits are upcast once, here)."""
         self.deferred[rows] = logits.float()
 
-    def _forward(self, dev, index, ids, positions, slots, at=None) -> torch.Tensor:
+    def _forward(
+        self,
+        dev: DevicePlan,
+        index: torch.Tensor | None,  # [E] the sequences taking part (None: all)
+        ids: torch.Tensor,  # [E, m]
+        positions: torch.Tensor,  # [E, m]
+        slots: torch.Tensor,  # [E, m]
+        at: torch.Tensor | None = None,  # [E] the column whose logits are wanted
+    ) -> torch.Tensor:
         """Draft logits [E, V] at column `at` [E] (None: the last) of m tokens per sequence
         (ids, positions, slots [E, m]); the other tokens only write their KV."""
         e, m = ids.shape

@@ -11,7 +11,7 @@ rows, the model's k drafts the verify of k + 1 rows and its k forwards, nothing 
 one row. A draft model that lacks a request's KV (its prefill deferred, refills skipped) first
 catches up: that forward is priced too, spread over the steps left to the request; and
 leaving a caught-up draft model for a step costs the catch-up that the step's tokens will need
-(its refill skipped). A lookup's prior is what it accepted for the engine's requests before.
+(its refill skipped). A drafter's prior is what it accepted for the engine's requests before.
 The model's k is the cost model's choice for the batch (0: the model does not draft this
 step). Every choice is lossless because each drafter is: the target verifies whatever was
 proposed. A request may name one drafter alone (`speculative_method`).
@@ -28,9 +28,11 @@ from stages.draft import Drafter, NoDrafter, ngram_lookup, with_host_drafts
 from stages.suffix import SuffixDrafter
 
 NONE = ""  # a row that drafts nothing
-# a request's first steps draft with the model until it has drafted this many: priced at the
-# prior alone, a costly model (the pair's 0.5B, 0.4 of a target forward a draft) would lose to
-# the lookups and to nothing before its acceptance was ever measured
+# a request's first steps draft with the model until it has drafted this many, where catching
+# the model up costs no more than that many steps of it: priced at the prior alone, a costly
+# model (the pair's 0.5B, 0.4 of a target forward a draft) would lose to the lookups and to
+# nothing before its acceptance was ever measured; a long prompt's deferred prefill (fill in
+# the middle) is not worth the try
 TRY_MODEL_STEPS = 2
 
 
@@ -103,7 +105,7 @@ class PolicyDrafter:
         model = k > 0 and self.with_model
         if named != "auto":  # the model, or none
             return (self.model_name, None) if named != "none" and model else (NONE, [])
-        if model and request.acceptance.steps < TRY_MODEL_STEPS:
+        if model and request.acceptance.steps < TRY_MODEL_STEPS and self._cheap_catch_up(seq, k):
             return self.model_name, None
         # leaving a model that is caught up (for nothing or a lookup) costs one more of its
         # forwards later: the lazy refill skips this step's tokens, a catch-up runs them
@@ -127,11 +129,15 @@ class PolicyDrafter:
         _, name, drafts = best
         return (name if drafts != [] else NONE), drafts
 
+    def _cheap_catch_up(self, seq: Sequence, k: int) -> bool:
+        """Whether the model's catch-up on the sequence costs no more than its tried steps."""
+        return self.prices.catch_up(_lag(seq)) <= TRY_MODEL_STEPS * self.prices.model(k)
+
     def _model_speed(self, seq: Sequence, k: int) -> float:
         """The model's expected tokens a second of a step, its catch-up's forward spread over
         the steps the request has left."""
         tokens = expected_tokens(seq.request.acceptance.rate, k)
-        lag = seq.num_tokens - seq.draft_from if seq.draft_from is not None else 0
+        lag = _lag(seq)
         left = seq.request.params.max_tokens - len(seq.request.output_ids)
         catch_up = self.prices.catch_up(lag) * tokens / max(left, 1) if lag else 0.0
         return tokens / (self.prices.model(k) + catch_up)
@@ -160,3 +166,8 @@ class PolicyDrafter:
 
 def _speed(option: tuple[float, str, list[int] | None]) -> float:
     return option[0]
+
+
+def _lag(seq: Sequence) -> int:
+    """Tokens the draft model lacks for the sequence (its KV written up to draft_from)."""
+    return seq.num_tokens - seq.draft_from if seq.draft_from is not None else 0

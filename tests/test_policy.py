@@ -120,10 +120,11 @@ def test_a_drafter_at_zero_acceptance_is_dropped_within_a_few_steps_and_tried_ag
     assert any(i > first_stop + 5 for i in drafted), choices  # and tried again later
 
 
-def test_a_lookup_that_failed_the_requests_before_starts_a_new_one_lower():
-    """The engine's own measure of each lookup is a new request's prior: after a request
+def test_a_new_request_starts_from_what_each_drafter_accepted_before():
+    """The engine's own measure of each drafter is a new request's prior: after a request
     whose lookups mostly failed, the next one starts from what they accepted, and its
-    estimate fades back to that, not to PRIOR_RATE; a fresh engine's request starts at it."""
+    estimate fades back to that, not to PRIOR_RATE; after one where the model accepted all,
+    the next starts high; a fresh engine's request starts at PRIOR_RATE."""
     rng = random.Random(3)
     pattern = [rng.randrange(100, 300) for _ in range(8)]
     truth = [rng.randrange(300, 500) if i % 2 else pattern[i % 8] for i in range(120)]
@@ -132,7 +133,7 @@ def test_a_lookup_that_failed_the_requests_before_starts_a_new_one_lower():
     sched.add(first.request)
     for _ in range(60):
         first.step(drafter, sched, k=0)
-    measured = sched.free_priors["ngram"].rate
+    measured = sched.priors["ngram"].rate
     assert measured < PRIOR_RATE / 2
     second = Script(pattern * 4, truth, model_rate=0.0)
     sched.add(second.request)
@@ -140,6 +141,9 @@ def test_a_lookup_that_failed_the_requests_before_starts_a_new_one_lower():
     for _ in range(40):  # the model drafting every step: the lookups' estimates fade
         sched.observe(second.request, K, K, MODEL)
     assert second.request.free_rates["ngram"].rate < (measured + PRIOR_RATE) / 2
+    third = Script(pattern * 4, truth, model_rate=0.0)
+    sched.add(third.request)  # the model accepted all it drafted for the second
+    assert third.request.acceptance.rate > 0.9
     fresh = Script(pattern * 4, truth, model_rate=0.0)
     scheduler().add(fresh.request)
     assert fresh.request.free_rates["ngram"].rate == PRIOR_RATE
@@ -162,6 +166,20 @@ def test_leaving_a_caught_up_draft_model_prices_its_catch_up():
     seq.draft_from = request.num_tokens - 1  # lagging: the lookup's tokens cost it nothing more
     drafter.host_drafts([seq], K)  # type: ignore[list-item]
     assert drafter.chosen == ["ngram"]
+
+
+def test_a_request_tries_the_model_first_unless_its_deferred_prefill_is_long():
+    """A new request drafts with the model on its first steps where the model's catch-up (its
+    deferred prefill of the prompt) costs no more than those steps; a long prompt's (fill in
+    the middle) is left to the prices, which pick a lookup that copies the prompt."""
+    prices = dataclasses.replace(PRICES, catch_up=lambda n: 0.02 * n)
+    drafter = PolicyDrafter(NoModel(), MODEL, SuffixDrafter(), (1, 4), K, prices)  # type: ignore[arg-type]
+    for length, first in ((20, MODEL), (1000, "ngram")):
+        prompt = [5, 6, 7, 8, 9] * (length // 5)
+        seq = FakeSeq(Request("r", prompt, SamplingParams(max_tokens=32), 0, 0.0))
+        seq.draft_from = 0  # the prefill deferred: the draft model has none of the prompt
+        drafter.host_drafts([seq], K)  # type: ignore[list-item]
+        assert drafter.chosen == [first], length
 
 
 def test_with_no_model_the_free_drafters_alone_are_weighed():

@@ -24,7 +24,16 @@ from models.gguf import packaged_smollm2, served_dequantized
 from models.linear import QuantLinear, held_bytes
 from models.llama import prepare_for_inference
 from models.loader import load_model
-from models.quant import CODE_TYPES, QK, Codes, cat, codes_of, pack, packed, packed_rows
+from models.quant import (
+    CODE_TYPES,
+    QK,
+    Codes,
+    cat,
+    codes_of,
+    pack_codes,
+    packed_rows,
+    packed_weight,
+)
 from tests.engine_util import make_config, running
 from tests.tiny import QUANT_MIX, write_gguf, write_model
 
@@ -83,7 +92,7 @@ def product(codes: Codes, x: torch.Tensor, path: str, monkeypatch, terms: int = 
     monkeypatch.setenv(native.QUANT_PATH_ENV, path)
     assert native.quant_path() == path
     form = codes.form | (models.quant.TWO_TERMS if terms == 2 else 0)
-    return native.qlinear(x, pack(codes), codes.shape, form)
+    return native.qlinear(x, pack_codes(codes), codes.shape, form)
 
 
 def require(path: str) -> None:
@@ -156,7 +165,7 @@ def test_the_paths_agree_with_each_other_up_to_float_rounding(path, monkeypatch)
     x = torch.randn(7, 512, generator=torch.Generator().manual_seed(7))
     got = product(codes, x, path, monkeypatch)
     monkeypatch.setenv(native.QUANT_PATH_ENV, "auto")
-    best = native.qlinear(x, pack(codes), codes.shape, codes.form)
+    best = native.qlinear(x, pack_codes(codes), codes.shape, codes.form)
     torch.testing.assert_close(got, best, rtol=1e-5, atol=1e-5)
 
 
@@ -166,7 +175,7 @@ def test_an_embeddings_rows_come_back_exactly(monkeypatch):
     for kind in CODE_TYPES:
         codes = codes_of(random_blocks(kind, 37, 256, seed=8), kind, 256)
         ids = torch.tensor([[0, 36], [17, 17]])
-        rows = native.qrows(ids, pack(codes), codes.shape, codes.form)
+        rows = native.qrows(ids, pack_codes(codes), codes.shape, codes.form)
         assert torch.equal(rows, codes.dequantize()[ids])
 
 
@@ -175,7 +184,7 @@ def test_a_large_table_packs_in_parts_as_it_would_whole(kind, monkeypatch):
     """packed_rows reads and packs a few outputs at a time: the same bytes as the whole."""
     monkeypatch.setattr(models.quant, "PACK_ROWS", 32)
     raw = random_blocks(kind, 70, 512, seed=15)
-    whole = packed(codes_of(raw, kind, 512))
+    whole = packed_weight(codes_of(raw, kind, 512))
     parts = packed_rows(lambda a, b: raw[a:b], 70, kind, 512)
     assert torch.equal(parts.data, whole.data) and parts.form == whole.form
 
@@ -203,7 +212,7 @@ def test_parts_without_a_common_form_run_side_by_side(two_terms):
     a = codes_of(random_blocks(T.Q4_K, 48, 256, seed=12), T.Q4_K, 256)
     b = codes_of(random_blocks(T.Q6_K, 20, 256, seed=13), T.Q6_K, 256)
     bias = torch.randn(68)
-    product = QuantLinear([packed(a), packed(b)], [48, 20], bias, two_terms)
+    product = QuantLinear([packed_weight(a), packed_weight(b)], [48, 20], bias, two_terms)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(14))
     parts = ((a, bias[:48]), (b, bias[48:]))
     alone = [QuantLinear(c, bias=t, two_terms=two_terms)(x) for c, t in parts]
