@@ -224,7 +224,7 @@ def launches(args: Namespace, context: int) -> list[Launch]:
         ours, theirs = METHODS[method]
         if ours:
             out.setdefault((TANDEM.name, ours, 0), tandem_launch(ours, args))
-        for batch in args.batches if theirs else []:
+        for batch in args.batches if theirs and not args.ours_only else []:
             # the batch-1 server also takes the time-to-first-token prompt
             ttft = args.ttft_tokens if args.workload == "text" else 0
             ctx = context if batch > 1 else max(context, ttft + 2 * args.k + 8)
@@ -494,6 +494,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Namespace:
     p.add_argument("--eagle", type=Path, default=DEMO / "eagle", help="our EAGLE head")
     p.add_argument("--mtp", type=Path, default=DEMO / "mtp", help="our MTP head")
     p.add_argument("--auto-draft", type=Path, help="the model our `auto` may draft with")
+    p.add_argument("--ours-only", action="store_true", help="our servers alone: no llama.cpp")
     p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
