@@ -424,7 +424,7 @@ def build_rows(results: dict[tuple, JSON], args: Namespace) -> list[JSON]:
     for method, batch, temp in itertools.product(args.methods, args.batches, args.temperatures):
         row: JSON = {"method": method, "batch": batch, "temperature": temp}
         for side in (TANDEM, LLAMA):
-            if key := launch_key(side, method, batch):
+            if (key := launch_key(side, method, batch)) in results:
                 row[side.name] = cell_json(results[key]["cells"][(batch, temp)])
         rows.append(row)
     return rows

@@ -148,9 +148,13 @@ class PolicyDrafter:
     def propose(self, plan: Plan, dev: DevicePlan) -> Drafts:
         """The model's drafts, the host's in the rows that have them (a host draft is a point
         mass, which a sampled batch's q says row by row)."""
-        if self.model_name not in (plan.drafted_by or ()):
+        chosen = plan.drafted_by or ()
+        if self.model_name not in chosen:
             return Drafts(dev.host_drafts)
-        return with_host_drafts(self.model.propose(plan, dev), dev.host_drafts)
+        drafts = self.model.propose(plan, dev)
+        if all(by in (self.model_name, NONE) for by in chosen):
+            return drafts  # no host draft to put in (a sampled q's point masses cost [B, k, V])
+        return with_host_drafts(drafts, dev.host_drafts)
 
     def refill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> int:
         return self.model.refill(plan, dev, out, verdict)
