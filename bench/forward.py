@@ -34,7 +34,7 @@ from models import native
 from models.linear import FusedLinear, QuantLinear, TiedEmbedding, held_bytes
 from models.llama import LlamaModel, prepare_for_inference
 from models.loader import load_model
-from models.quant import Codes, pack
+from models.quant import Codes, pack_codes
 
 
 def streamed_bytes(model: LlamaModel) -> int:
@@ -75,7 +75,7 @@ def product_flops(quantized: bool, repeats: int = 5) -> float:
             4,
             False,
         )
-        x, packed = torch.randn(64, 1024), pack(codes)
+        x, packed = torch.randn(64, 1024), pack_codes(codes)
         fn = lambda: native.qlinear(x, packed, shape, codes.form)  # noqa: E731
         return 2 * 64 * shape[0] * shape[1] / median_seconds(fn, repeats * 4)
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
