@@ -92,6 +92,22 @@ class SamplingParams:
         return self.temperature < MIN_TEMPERATURE
 
 
+@dataclass(frozen=True)
+class SamplerLoad:
+    """A batch's requests whose rows cost the sampler more than a greedy row's argmax: those
+    drawn by the inverse CDF, and those drawn by the seeded coupling (its noise over the whole
+    vocabulary a row). The cost model prices each row of theirs (engine/cost.py)."""
+
+    drawn: int = 0
+    coupled: int = 0
+
+    @classmethod
+    def of(cls, params: list[SamplingParams]) -> SamplerLoad:
+        sampled = [p for p in params if not p.greedy]
+        coupled = sum(p.seed is not None for p in sampled)
+        return cls(len(sampled) - coupled, coupled)
+
+
 def _check_int(name: str, value: object, lo: int, hi: int) -> None:
     if type(value) is not int or not lo <= value <= hi:
         raise InvalidRequest(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")

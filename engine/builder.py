@@ -8,6 +8,7 @@ a forward.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import logging
@@ -23,14 +24,19 @@ import torch
 from torch import nn
 
 from engine.config import DEMO, QWEN_CODER, SMOLLM2, EngineConfig, SpecConfig
-from engine.cost import CostModel, build_cost_model
+from engine.cost import CALIBRATION_VERSION, CostModel, build_cost_model
 from engine.parallel import Group
 from engine.scheduler import Scheduler
 from kv.cache import KVCache
 from kv.pages import PageAllocator
 from kv.prefix import PrefixIndex
 from models import native
-from models.attention import AttentionBackend, InvariantAttention, TorchPagedAttention
+from models.attention import (
+    AttentionBackend,
+    InvariantAttention,
+    TorchPagedAttention,
+    probe_attention,
+)
 from models.checkpoint import cache_dir
 from models.deepseek import MoE
 from models.eagle import load_eagle_head
@@ -118,10 +124,10 @@ def policy_prices(cost: CostModel | None) -> Prices:
     """The seconds of a one-row step by what it verifies, from the cost model's curves; with a
     fixed k (no cost model), every option the same: drafts whenever they give tokens."""
     if cost is None:
-        return Prices(free=lambda n: 1.0, model=lambda k: 1.0, catch_up=lambda n: 0.0)
+        return Prices(free=lambda n, load: 1.0, model=lambda k, load: 1.0, catch_up=lambda n: 0.0)
     return Prices(
-        free=lambda n: cost.step_seconds(1, n, drafted=False),
-        model=lambda k: cost.step_seconds(1, k),
+        free=lambda n, load: cost.step_seconds(1, n, drafted=False, load=load),
+        model=lambda k, load: cost.step_seconds(1, k, load=load),
         catch_up=cost.calibration.draft,
     )
 
@@ -216,7 +222,9 @@ class Builder:
         # the cost model times forwards on the leader alone: under tensor parallelism k is fixed
         if spec.enabled and spec.picks_k and self.group is None:
             path = spec.calibration or str(self._calibration_cache(model_dir))
-            cost = build_cost_model(model, drafter, config.max_running, k, path)
+            heads = model.config.num_heads
+            probe = functools.partial(probe_attention, attention, cache, heads)
+            cost = build_cost_model(model, probe, drafter, config.max_running, k, path)
         if spec.method == "auto":
             drafter = PolicyDrafter(
                 drafter,
@@ -332,6 +340,7 @@ class Builder:
             ],
             "engine": [config.max_running, config.torch_dtype, config.weights, config.device],
             "machine": [torch.get_num_threads(), os.cpu_count(), platform.machine()],
+            "measured": CALIBRATION_VERSION,  # curves measured another way are measured again
         }
         digest = hashlib.blake2b(json.dumps(key).encode(), digest_size=8).hexdigest()
         return cache_dir() / f"calibration-{digest}.json"

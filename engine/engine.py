@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from core.params import Grammar, InvalidRequest, SamplingParams
+from core.params import Grammar, InvalidRequest, SamplerLoad, SamplingParams
 from core.request import Delta, EngineFailed, Overloaded, Request
 from core.step import Plan, StepKind
 from engine.builder import Builder
@@ -317,7 +317,8 @@ class AsyncEngine:
             self.allocator.release(step)
             del self._completed[step]
             if self.cost is not None and run.plan.kind == StepKind.DECODE:
-                self.cost.observe(run.plan.batch_size, run.plan.k, run.time.seconds)
+                load = SamplerLoad.of([seq.request.params for seq in run.plan.seqs])
+                self.cost.observe(run.plan.batch_size, run.plan.k, run.time.seconds, load)
 
     def _update_gauges(self) -> None:
         if self.group is not None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from core.params import SamplingTensors
+from core.params import SamplerLoad, SamplingTensors
 from core.request import Request
 from core.step import Batch, CatchUp, Plan, Sequence, StepKind
 from engine.cost import CostModel
@@ -188,4 +188,5 @@ class Planner:
         if self.cost is None:
             return self.k
         caps = [draft_cap(s, self.k) for s in seqs]
-        return self.cost.choose([s.request.acceptance.rate for s in seqs], caps)
+        rates = [s.request.acceptance.rate for s in seqs]
+        return self.cost.choose(rates, caps, SamplerLoad.of([s.request.params for s in seqs]))

@@ -315,3 +315,38 @@ def paged_metadata(
         q_positions=q_positions.view(b, max_q),
         mask=mask,
     )
+
+
+def probe_attention(
+    backend: AttentionBackend, cache: KVCache, num_q_heads: int, num_tokens: int
+) -> Attention:
+    """The attention of a forward the cost model times (a probe at start-up, the cache still
+    empty): one sequence's first `num_tokens` tokens written over the cache's first pages, as
+    the engine's decode steps attend (through the native kernel and decoder where they run,
+    which CausalAttention takes neither of: SmolLM2's one-token forward costs 2.5x there, its
+    second token half as much again). A prefill's size, or one past the cache, is causal."""
+    page_size, num_pages = cache.page_size, cache.data.shape[1]
+    if num_tokens > TorchPagedAttention.native_max_q or num_tokens > num_pages * page_size:
+        return CausalAttention(num_tokens, 1)
+    return backend(_probe_metadata(num_tokens, page_size, cache.data.device), cache, num_q_heads)
+
+
+def _probe_metadata(num_tokens: int, page_size: int, device: torch.device) -> AttentionMetadata:
+    pages = -(-num_tokens // page_size)
+
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    every = ints(list(range(num_tokens)))
+    last = num_tokens - (pages - 1) * page_size
+    return paged_metadata(
+        ints([0, num_tokens]),
+        ints([0, pages]),
+        ints(list(range(pages))),
+        ints([last]),
+        every,
+        every,
+        page_size,
+        num_tokens,
+        num_tokens,
+    )

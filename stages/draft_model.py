@@ -21,7 +21,7 @@ import torch
 from core.attention_metadata import AttentionMetadata
 from core.step import CatchUp, DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
 from kv.cache import KVCache
-from models.attention import Attention, AttentionBackend, CausalAttention
+from models.attention import Attention, AttentionBackend, probe_attention
 from models.graphs import Forward
 from models.llama import LlamaModel
 from stages.draft import draft_chain, refill_columns
@@ -98,7 +98,8 @@ class DraftModelDrafter:
 
     def probe(self, num_tokens: int) -> None:
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.deferred.device)
-        hidden, _ = self.model(ids, ids, CausalAttention(num_tokens, 1))
+        attn = probe_attention(self.attention, self.cache, self.model.config.num_heads, num_tokens)
+        hidden, _ = self.model(ids, ids, attn)
         self.model.logits(hidden)
 
     def _catch_up(

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from core.params import SamplerLoad
 from core.request import Request, expected_tokens
 from core.step import CatchUp, DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
 from stages.draft import Drafter, NoDrafter, ngram_lookup, with_host_drafts
@@ -38,12 +39,13 @@ TRY_MODEL_STEPS = 2
 
 @dataclasses.dataclass(frozen=True)
 class Prices:
-    """Seconds of a one-row step: `free(n)` verifying n drafts proposed at no cost, `model(k)`
-    verifying k drafts of the model with its forwards; `catch_up(n)` the model's forward over
+    """Seconds of a one-row step: `free(n, load)` verifying n drafts proposed at no cost,
+    `model(k, load)` verifying k drafts of the model with its forwards, each with the sampler's
+    rows of the request's kind (`load`: one request's); `catch_up(n)` the model's forward over
     n tokens it lacks (the cost model's curves)."""
 
-    free: Callable[[int], float]
-    model: Callable[[int], float]
+    free: Callable[[int, SamplerLoad], float]
+    model: Callable[[int, SamplerLoad], float]
     catch_up: Callable[[int], float]
 
 
@@ -105,17 +107,19 @@ class PolicyDrafter:
         model = k > 0 and self.with_model
         if named != "auto":  # the model, or none
             return (self.model_name, None) if named != "none" and model else (NONE, [])
-        if model and request.acceptance.steps < TRY_MODEL_STEPS and self._cheap_catch_up(seq, k):
+        load = SamplerLoad.of([request.params])
+        trying = request.acceptance.steps < TRY_MODEL_STEPS
+        if model and trying and self._cheap_catch_up(seq, k, load):
             return self.model_name, None
         # leaving a model that is caught up (for nothing or a lookup) costs one more of its
         # forwards later: the lazy refill skips this step's tokens, a catch-up runs them
         caught_up = self.lazy_refill and seq.draft_from is None
         switch = self.prices.catch_up(1) if model and caught_up else 0.0
-        price = lambda n: self.prices.free(n) + switch  # noqa: E731
+        price = lambda n: self.prices.free(n, load) + switch  # noqa: E731
         # at an equal speed, the option first in this order: nothing, then the drafts that
         # cost no model forward
         best: tuple[float, str, list[int] | None] = (1 / price(0), NONE, [])
-        model_speed = self._model_speed(seq, k) if model else 0.0
+        model_speed = self._model_speed(seq, k, load) if model else 0.0
         for name, propose in free.items():
             estimate = request.free_rates[name]
             _, bound = best_length(estimate.rate, self.max_k, price)
@@ -129,18 +133,18 @@ class PolicyDrafter:
         _, name, drafts = best
         return (name if drafts != [] else NONE), drafts
 
-    def _cheap_catch_up(self, seq: Sequence, k: int) -> bool:
+    def _cheap_catch_up(self, seq: Sequence, k: int, load: SamplerLoad) -> bool:
         """Whether the model's catch-up on the sequence costs no more than its tried steps."""
-        return self.prices.catch_up(_lag(seq)) <= TRY_MODEL_STEPS * self.prices.model(k)
+        return self.prices.catch_up(_lag(seq)) <= TRY_MODEL_STEPS * self.prices.model(k, load)
 
-    def _model_speed(self, seq: Sequence, k: int) -> float:
+    def _model_speed(self, seq: Sequence, k: int, load: SamplerLoad) -> float:
         """The model's expected tokens a second of a step, its catch-up's forward spread over
         the steps the request has left."""
         tokens = expected_tokens(seq.request.acceptance.rate, k)
         lag = _lag(seq)
         left = seq.request.params.max_tokens - len(seq.request.output_ids)
         catch_up = self.prices.catch_up(lag) * tokens / max(left, 1) if lag else 0.0
-        return tokens / (self.prices.model(k) + catch_up)
+        return tokens / (self.prices.model(k, load) + catch_up)
 
     def prefill(self, plan: Plan, dev: DevicePlan, out: TargetOutput, verdict: Verdict) -> None:
         self.model.prefill(plan, dev, out, verdict)

@@ -4,13 +4,14 @@ stages/rng.py (keyed uniforms)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from core.params import SamplingTensors
+from core.params import SamplingParams, SamplingTensors
 from core.step import DevicePlan, Drafts, Plan, TargetOutput, Verdict
 from models import native
 from stages.grammar import GrammarWalk
@@ -158,6 +159,23 @@ class SampleStage:
         verdict.logprobs = chosen.view(b, w)
         verdict.top_ids = top_ids.view(b, w, n)
         verdict.top_logprobs = top.view(b, w, n)
+
+
+def probe_sampler(vocab: int, device: torch.device, seeded: bool) -> Callable[[int], None]:
+    """`run(n)`: the sampler's work over n rows of one sampled request (a chain of n - 1
+    point-mass drafts; `seeded`: drawn by the seeded coupling), which the cost model times
+    (engine/cost.py): the distributions, the coupling's noise, the draws."""
+    st = SamplingTensors.build([SamplingParams(seed=0 if seeded else None)], [0], device)
+    first = torch.zeros(1, dtype=torch.long, device=device)
+
+    def run(rows: int) -> None:
+        probs = process_logits(torch.zeros(1, rows, vocab, device=device), st)
+        probs = couple(probs, st, first, None, rows - 1)
+        drafts = torch.zeros(1, rows - 1, dtype=torch.long, device=device)
+        num_drafts = torch.full((1,), rows - 1, device=device)
+        chain_verify(probs, drafts, None, num_drafts, st.seeds, first)
+
+    return run
 
 
 def _tree_probs(

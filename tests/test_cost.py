@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from core.params import SamplingParams
+from core.params import SamplerLoad, SamplingParams
 from core.request import PRIOR_RATE, AcceptanceRate, expected_tokens
 from engine.cost import (
     Calibration,
@@ -126,10 +126,35 @@ def test_a_request_not_drafted_for_is_tried_again_after_a_while():
     assert rate.rate == pytest.approx(PRIOR_RATE, abs=0.01)  # back to the prior, no further
 
 
+def test_sampled_rows_are_priced():
+    """At temperature 1 each verified row costs the sampler too (its distribution and draw, a
+    seeded request's coupling noise more): a draft length that pays for greedy rows, whose
+    argmax is left out, does not pay for sampled ones at the same acceptance; the measured
+    steps' correction compares like with like."""
+    verify = Curve([1, 1024], [0.010, 0.1123])  # 0.1 ms a row
+    cal = Calibration(verify, Curve([1], [0.0]), Curve([1], [0.001]), Curve([1], [0.004]))
+    cm = CostModel(cal, 6)
+    drawn, coupled = SamplerLoad(drawn=1), SamplerLoad(coupled=1)
+    assert cm.step_seconds(1, 2, load=drawn) == pytest.approx(verify(3) + 0.003)
+    assert cm.step_seconds(1, 2, load=coupled) == pytest.approx(verify(3) + 0.012)
+    assert cm.step_seconds(2, 1, load=SamplerLoad(1, 1)) == pytest.approx(verify(4) + 0.010)
+    assert cm.choose([0.25], [6]) > 0
+    assert cm.choose([0.25], [6], coupled) == 0
+    assert 0 < cm.choose([0.6], [6], coupled) < cm.choose([0.6], [6])
+    for _ in range(60):  # sampled steps as the curves say: nothing to correct
+        cm.observe(1, 2, cm.forwards_seconds(1, 2, load=coupled), coupled)
+    assert cm.factors[0] == pytest.approx(1.0)
+
+
 def test_calibration_file_round_trip(tmp_path):
-    cal = Calibration(Curve([1, 2], [0.1, 0.2]), Curve([1], [0.01]))
+    cal = Calibration(*(Curve([1, 2], [0.1 * i, 0.2 * i]) for i in range(1, 5)))
     cal.save(tmp_path / "c.json")
     assert Calibration.load(tmp_path / "c.json") == cal
+    # a file written before the sampler's curves were measured is measured again
+    old = json.loads((tmp_path / "c.json").read_text())
+    del old["sample"], old["couple"]
+    (tmp_path / "c.json").write_text(json.dumps(old))
+    assert Calibration.read(tmp_path / "c.json") is None
 
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -160,6 +185,10 @@ def test_engine_calibrates_saves_and_reloads(tiny_target, tiny_draft, tmp_path, 
     asyncio.run(main())
     saved = json.loads(path.read_text())
     assert saved["verify"]["tokens"][-1] == 64 * 5  # max_running rows of k + 1 tokens
+    # the sampler's rows measured up to LINEAR_FROM; a coupled row costs more than a drawn one
+    assert saved["sample"]["tokens"][-1] == saved["couple"]["tokens"][-1] == 64
+    curves = Calibration.load(path)
+    assert 0 < curves.sample(64) < curves.couple(64)
 
 
 def calibration_at_start(config) -> Calibration:

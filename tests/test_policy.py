@@ -21,7 +21,9 @@ from stages.suffix import SuffixDrafter
 from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
 
 # a verify of n + 1 rows costs 1 + 0.1 n; each model draft 0.05 more
-PRICES = Prices(free=lambda n: 1 + 0.1 * n, model=lambda k: 1 + 0.15 * k, catch_up=lambda n: 0.0)
+PRICES = Prices(
+    free=lambda n, load: 1 + 0.1 * n, model=lambda k, load: 1 + 0.15 * k, catch_up=lambda n: 0.0
+)
 K = 4
 MODEL = "draft"  # the rows the draft model drafts are named by what it is
 
@@ -180,6 +182,23 @@ def test_a_request_tries_the_model_first_unless_its_deferred_prefill_is_long():
         seq.draft_from = 0  # the prefill deferred: the draft model has none of the prompt
         drafter.host_drafts([seq], K)  # type: ignore[list-item]
         assert drafter.chosen == [first], length
+
+
+def test_a_sampled_request_prices_its_rows_sampling():
+    """A lookup that pays for a greedy request at 30% acceptance does not for a seeded sampled
+    one, each of whose verified rows costs the sampler its coupling's noise too."""
+    noise = lambda n, load: 0.3 * (n + 1) * load.coupled  # noqa: E731
+    prices = dataclasses.replace(PRICES, free=lambda n, load: PRICES.free(n, load) + noise(n, load))
+    drafter = PolicyDrafter(NoDrafter(), "none", SuffixDrafter(), (1, 4), K, prices)
+    for params, chosen in (
+        (SamplingParams(temperature=0), "ngram"),
+        (SamplingParams(seed=1), NONE),
+    ):
+        request = Request("r", [5, 6, 7, 8, 9] * 3, params, 0, 0.0)
+        request.free_rates["ngram"].restart(0.3)
+        request.free_rates["suffix"].restart(0.0)
+        drafter.host_drafts([FakeSeq(request)], 0)  # type: ignore[list-item]
+        assert drafter.chosen == [chosen]
 
 
 def test_with_no_model_the_free_drafters_alone_are_weighed():

@@ -68,10 +68,10 @@ def test_a_context_tree_counts_every_substring_as_it_grows(seed):
         text = ids[:end]
         for s in substrings([text], DEPTH):
             node = context.tree.find(list(s))
-            assert node is not None and node.count == occurrences([text], list(s))
+            assert node is not None and context.tree.counts[node] == occurrences([text], list(s))
         # its active nodes are those of the context's suffixes, longest first
         for i, node in enumerate(context.active):
-            assert node is context.tree.find(text[i + max(0, end - DEPTH) :])
+            assert node == context.tree.find(text[i + max(0, end - DEPTH) :])
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -87,7 +87,13 @@ def test_the_global_tree_counts_the_texts_it_holds_after_removals(seed):
     for s in substrings(texts, DEPTH):
         node = tree.find(list(s))
         count = occurrences(kept, list(s))
-        assert (node.count if node is not None else 0) == count
+        assert (tree.counts[node] if node is not None else 0) == count
+    # a removed text's nodes are freed, its subtrees' too, and their numbers reused
+    live = len(tree.counts) - len(tree.free)
+    assert live == 1 + len(set(substrings(kept, DEPTH)))
+    allocated = len(tree.counts)
+    Cursor(tree).extend(texts[0])  # it was there before: its nodes fit in the freed ones
+    assert len(tree.counts) == allocated
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -126,7 +132,8 @@ def test_the_global_tree_keeps_a_bounded_number_of_tokens():
         done.finish_reason = FinishReason.STOP
         drafter.host_drafts([], 2)
     assert drafter.kept_tokens == 8 and [o[0] for o in drafter.kept] == [3, 4]
-    assert drafter.outputs.find([0]) is None and drafter.outputs.find([4, 4]).count == 3
+    outputs = drafter.outputs
+    assert outputs.find([0]) is None and outputs.counts[outputs.find([4, 4])] == 3
 
 
 # ---------------------------------------------------------------- through the engine
