@@ -49,10 +49,10 @@ class Prices:
     catch_up: Callable[[int], float]
 
 
-def best_length(rate: float, proposed: int, price: Callable[[int], float]) -> tuple[int, float]:
+def best_length(rate: float, proposed: int, prices: list[float]) -> tuple[int, float]:
     """The number of a free draft's tokens (0..proposed) that gives the most expected tokens a
-    second, and that rate."""
-    rates = [(expected_tokens(rate, n) / price(n), n) for n in range(proposed + 1)]
+    second, and that rate (prices[n]: the step's seconds with n drafts)."""
+    rates = [(expected_tokens(rate, n) / prices[n], n) for n in range(proposed + 1)]
     speed, n = max(rates)
     return n, speed
 
@@ -115,18 +115,18 @@ class PolicyDrafter:
         # forwards later: the lazy refill skips this step's tokens, a catch-up runs them
         caught_up = self.lazy_refill and seq.draft_from is None
         switch = self.prices.catch_up(1) if model and caught_up else 0.0
-        price = lambda n: self.prices.free(n, load) + switch  # noqa: E731
+        prices = [self.prices.free(n, load) + switch for n in range(self.max_k + 1)]
         # at an equal speed, the option first in this order: nothing, then the drafts that
         # cost no model forward
-        best: tuple[float, str, list[int] | None] = (1 / price(0), NONE, [])
+        best: tuple[float, str, list[int] | None] = (1 / prices[0], NONE, [])
         model_speed = self._model_speed(seq, k, load) if model else 0.0
         for name, propose in free.items():
             estimate = request.free_rates[name]
-            _, bound = best_length(estimate.rate, self.max_k, price)
+            _, bound = best_length(estimate.rate, self.max_k, prices)
             if bound <= best[0] or bound < model_speed:  # not even a full draft would win
                 continue
             tokens = propose()
-            n, speed = best_length(estimate.rate, len(tokens), price)
+            n, speed = best_length(estimate.rate, len(tokens), prices)
             best = max(best, (speed, name, tokens[:n]), key=_speed)
         if model:
             best = max(best, (model_speed, self.model_name, None), key=_speed)
