@@ -1029,6 +1029,81 @@ static PyObject *py_argmax(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
+/* ---- the seeded coupling (stages/rng.py): token v's uniform at a row's (seed, position) is
+ * r = (h >> 8) 2^-24 for h the murmur3 hash (x86, 32-bit) of the five words salt-keyed seed,
+ * position and v, `key` the hash state after the first four (the device path's very bits).
+ * A coupled row emits argmax_v p_v / E_v with E_v = -log(r_v + 2^-25), an exponential: the
+ * Gumbel-max token of p under G = -log E (argmax log p + G), found without a logarithm for
+ * most tokens: E >= 1 - u, so p / (1 - u) bounds p / E from above, strictly (relatively by
+ * more than 2^-26, where u is closest to 1), and only the tokens whose bound reaches the best
+ * score found need their E, in double precision. ---- */
+
+static inline uint32_t rotl32(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
+
+static inline uint32_t coupling_bits(uint32_t key, uint32_t token) {
+    uint32_t k = rotl32(token * 0xCC9E2D51u, 15) * 0x1B873593u;
+    uint32_t h = rotl32(key ^ k, 13) * 5 + 0xE6546B64u;
+    h ^= 4 * 5;
+    h = (h ^ (h >> 16)) * 0x85EBCA6Bu;
+    h = (h ^ (h >> 13)) * 0xC2B2AE35u;
+    return (h ^ (h >> 16)) >> 8;
+}
+
+static inline float coupling_uniform(uint32_t key, uint32_t token) {
+    return (float)coupling_bits(key, token) * 0x1p-24f;
+}
+
+static double coupled_score(const float *p, uint32_t key, int64_t v) {
+    double u = (double)coupling_uniform(key, (uint32_t)v) + 0x1p-25; /* exact in double */
+    return (double)p[v] / -log(u);
+}
+
+/* the bound's slack: 1 - u and the quotient each rounded in float (2^-24 of the value each),
+ * the best score too (2^-24), well under the slack */
+#define BOUND_SLACK (1.0f + 0x1p-20f)
+
+static int64_t coupled_row(const float *p, uint32_t key, int64_t n, float *bound) {
+    for (int64_t v = 0; v < n; v++) /* vectorised: no logarithm */
+        bound[v] = p[v] / ((1.0f - coupling_uniform(key, (uint32_t)v)) - 0x1p-25f);
+    int64_t best = argmax_row(bound, n);
+    double top = coupled_score(p, key, best);
+    for (int64_t v = 0; v < n; v++) {
+        if (bound[v] * BOUND_SLACK < (float)top || v == best) continue;
+        double s = coupled_score(p, key, v);
+        if (s > top || (s == top && v < best)) top = s, best = v;
+    }
+    return best;
+}
+
+/* coupled_tokens(out int64 [R], p float32 [R, V], keys uint32 [R], R, V) */
+static PyObject *py_coupled_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[5];
+    if (ints(args, nargs, 5, a)) return NULL;
+    float *bound = malloc(sizeof(float) * (a[4] > 0 ? a[4] : 1));
+    if (!bound) return PyErr_NoMemory();
+    int64_t *out = PTR(int64_t, a[0]);
+    const float *p = PTR(const float, a[1]);
+    const uint32_t *keys = PTR(const uint32_t, a[2]);
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t r = 0; r < a[3]; r++) out[r] = coupled_row(p + r * a[4], keys[r], a[4], bound);
+    Py_END_ALLOW_THREADS
+    free(bound);
+    Py_RETURN_NONE;
+}
+
+/* coupling_uniforms(out float32 [R, V], keys uint32 [R], R, V): each token's r */
+static PyObject *py_coupling_uniforms(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[4];
+    if (ints(args, nargs, 4, a)) return NULL;
+    float *out = PTR(float, a[0]);
+    const uint32_t *keys = PTR(const uint32_t, a[1]);
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t r = 0; r < a[2]; r++)
+        for (int64_t v = 0; v < a[3]; v++) out[r * a[3] + v] = coupling_uniform(keys[r], (uint32_t)v);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL, "x W^T, W blocked"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, "RMSNorm of rows"},
@@ -1043,6 +1118,10 @@ static PyMethodDef methods[] = {
      "products side by side"},
     {"qrows", (PyCFunction)(void (*)(void))py_qrows, METH_FASTCALL, "rows of W, dequantized"},
     {"argmax", (PyCFunction)(void (*)(void))py_argmax, METH_FASTCALL, "argmax of rows"},
+    {"coupled_tokens", (PyCFunction)(void (*)(void))py_coupled_tokens, METH_FASTCALL,
+     "the seeded coupling's token of rows"},
+    {"coupling_uniforms", (PyCFunction)(void (*)(void))py_coupling_uniforms, METH_FASTCALL,
+     "the seeded coupling's uniforms of rows"},
     {"qpath", (PyCFunction)(void (*)(void))py_qpath, METH_FASTCALL, "the quantized path"},
     {NULL, NULL, 0, NULL},
 };

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 try:
@@ -185,6 +186,24 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty(x.shape[:-1], dtype=torch.int64)
     _kernels.argmax(out.data_ptr(), x.data_ptr(), out.numel(), x.shape[-1])
+    return out
+
+
+def coupled_tokens(probs: torch.Tensor, keys: np.ndarray) -> torch.Tensor:
+    """[R] int64: the seeded coupling's token of each row of probs [R, V] (float32), keys [R]
+    uint32 the hash states of its seed and position (stages/rng.py)."""
+    probs = probs.contiguous()
+    keys = np.ascontiguousarray(keys, dtype=np.uint32)
+    out = torch.empty(probs.shape[0], dtype=torch.int64)
+    _kernels.coupled_tokens(out.data_ptr(), probs.data_ptr(), keys.ctypes.data, *probs.shape)
+    return out
+
+
+def coupling_uniforms(keys: np.ndarray, vocab: int) -> torch.Tensor:
+    """[R, vocab] float32: the seeded coupling's uniform r of each token, keys [R] uint32."""
+    keys = np.ascontiguousarray(keys, dtype=np.uint32)
+    out = torch.empty(len(keys), vocab)
+    _kernels.coupling_uniforms(out.data_ptr(), keys.ctypes.data, len(keys), vocab)
     return out
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from core.params import SamplingTensors
+from models import native
 
 SALT_SAMPLE = 0  # the token emitted at a position: plain decode, bonus, recovered, tree
 SALT_ACCEPT = 1  # the accept test of a sampled draft token
@@ -144,32 +145,63 @@ def coupling_noise(
     rows: torch.Tensor | None = None,  # [B] bool: the rows that need noise (None: all)
 ) -> torch.Tensor:
     """[B, S, vocab] float32 standard Gumbel noise G(seed, position, token id), a pure function
-    of the three (a wider vocabulary extends the same noise; rows not asked for are 0).
+    of the three (a wider vocabulary extends the same noise; rows not asked for are 0): G =
+    -log(-log u) for u = r + 2^-25, r the murmur3 hash of (seed, position, token id) on 24
+    bits, computed where the tensors are (on the CPU by the native kernel where it built)."""
+    noise = _gumbel(coupling_uniforms(seeds, positions, vocab))
+    return noise if rows is None else noise * rows[:, None, None]
 
-    On the CPU each (seed, position) keys a PCG64 stream whose token-id-th number is the
-    token's uniform: one vectorised draw per stream. On a device, the murmur3 hash of (seed,
-    position, token id), computed there (no host sync)."""
+
+def coupling_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, S, vocab] float32: each token's r in [0, 1) in steps of 2^-24 (coupling_noise)."""
     b, s = positions.shape
-    if positions.device.type in HOST_HASH_DEVICES:
-        noise = torch.zeros(b, s, vocab)
-        wanted = range(b) if rows is None else rows.nonzero().flatten().tolist()
-        seeds64 = [x % 2**64 for x in seeds.tolist()]
-        places = positions.tolist()
-        u = np.empty((s, vocab), np.float32)
-        for i in wanted:  # a row at a time: its temporaries stay in the caches
-            for j, position in enumerate(places[i]):
-                stream = np.random.PCG64DXSM([seeds64[i], position, SALT_COUPLING])
-                np.random.Generator(stream).random(vocab, dtype=np.float32, out=u[j])
-            noise[i] = _gumbel(torch.from_numpy(u))
-        return noise
-    else:
-        h = _seed_state(seeds.long(), SALT_COUPLING, False)[:, None]  # [B, 1]
-        for word in _words(positions.long()):
+    if positions.device.type in HOST_HASH_DEVICES and native.available():
+        return native.coupling_uniforms(_coupling_keys(seeds, positions).ravel(), vocab).view(
+            b, s, vocab
+        )
+    h = _seed_state(seeds.long(), SALT_COUPLING, False)[:, None]  # [B, 1]
+    for word in _words(positions.long()):
+        h = _mix(h, word)
+    tokens = torch.arange(vocab, device=positions.device)
+    h = _finish(_mix(h[..., None], tokens), 5)  # [B, S, V]
+    return (h >> 8).float() * 2.0**-24
+
+
+def _coupling_keys(seeds: torch.Tensor, positions: torch.Tensor) -> np.ndarray:
+    """[B, S] uint32: the hash states after the seed's and the position's words (on the host;
+    a few with Python's ints, as `uniforms`)."""
+    states = _seed_state(seeds.long(), SALT_COUPLING, True)
+    if positions.numel() > PYTHON_HASH_MAX:
+        h = states[:, None]
+        for word in _words(positions.long().numpy()):
             h = _mix(h, word)
-        tokens = torch.arange(vocab, device=positions.device)
-        h = _finish(_mix(h[..., None], tokens), 5)  # [B, S, V]
-        noise = _gumbel((h >> 8).float() * 2.0**-24)
-        return noise if rows is None else noise * rows[:, None, None]
+        return np.asarray(h, dtype=np.uint32)
+    keys = []
+    for state, row in zip(states.tolist(), positions.tolist(), strict=True):
+        for position in row:
+            h = state
+            for word in _words(position):
+                h = _mix(h, word)
+            keys.append(h)
+    return np.array(keys, dtype=np.uint32).reshape(positions.shape)
+
+
+def coupled_tokens(
+    probs: torch.Tensor,  # [B, R, V]
+    seeds: torch.Tensor,  # [B] int64
+    positions: torch.Tensor,  # [B, R] int64: each row's position
+) -> torch.Tensor:
+    """[B, R] int64: each row's Gumbel-max token under coupling_noise, found as the token of
+    the largest p / E for E = -log u (the same token: argmax log p - log E), in double
+    precision. On the CPU in float32, one native pass a row that takes the logarithm of a few
+    tokens only (SmolLM2's vocabulary: 30 us a row against 450 for drawing the noise whole
+    and perturbing log p); elsewhere from the uniforms drawn whole."""
+    b, r, v = probs.shape
+    if probs.device.type in HOST_HASH_DEVICES and native.usable(probs):
+        keys = _coupling_keys(seeds, positions).ravel()
+        return native.coupled_tokens(probs.reshape(b * r, v), keys).view(b, r)
+    u = coupling_uniforms(seeds, positions, v).double() + 2.0**-25
+    return (probs.double() / u.log().neg()).argmax(-1)
 
 
 def _gumbel(r: torch.Tensor) -> torch.Tensor:
@@ -198,17 +230,27 @@ def couple(
 ) -> torch.Tensor:
     """probs with each coupled row's distributions made point masses at their Gumbel-max token
     (the token the coupling emits there); the other rows as they were. `noise` (a drafter's,
-    over its vocabulary) is drawn again when it does not cover the target's. No host sync."""
+    over its vocabulary) is drawn again when it does not cover the target's; on the host,
+    coupled_tokens finds each row's token without it. No device sync."""
     if st.coupled is None:
         return probs
     b, r, v = probs.shape
-    if noise is None or noise.shape[-1] < v:
-        positions = first[:, None] + torch.arange(depth + 1, device=first.device)
-        noise = coupling_noise(st.seeds, positions, v, st.coupled)
-    noise = noise[..., :v]
-    if offsets is not None:  # a tree's rows: each node's depth picks its position's noise
-        noise = noise.gather(1, offsets[..., None].expand(b, r, v))  # [B, R, V]
-    tokens = perturbed_argmax(probs, noise)[..., None]  # [B, R, 1]
+    if probs.device.type in HOST_HASH_DEVICES:  # the coupled rows' tokens, each found alone
+        positions = first[:, None] + (torch.arange(r) if offsets is None else offsets)
+        if bool(st.coupled.all()):
+            tokens = coupled_tokens(probs, st.seeds, positions)[..., None]
+        else:
+            rows = st.coupled.nonzero().flatten()
+            tokens = torch.zeros(b, r, 1, dtype=torch.long)  # the others' are left as they are
+            tokens[rows] = coupled_tokens(probs[rows], st.seeds[rows], positions[rows])[..., None]
+    else:  # the drafter's noise where it covers the vocabulary, perturbing log p
+        if noise is None or noise.shape[-1] < v:
+            positions = first[:, None] + torch.arange(depth + 1, device=first.device)
+            noise = coupling_noise(st.seeds, positions, v, st.coupled)
+        noise = noise[..., :v]
+        if offsets is not None:  # a tree's rows: each node's depth picks its position's noise
+            noise = noise.gather(1, offsets[..., None].expand(b, r, v))  # [B, R, V]
+        tokens = perturbed_argmax(probs, noise)[..., None]  # [B, R, 1]
     coupled = st.coupled[:, None, None]
     kept = torch.where(coupled, 1.0, probs.gather(-1, tokens))  # the others' own values
     return probs.masked_fill(coupled, 0.0).scatter_(-1, tokens, kept.to(probs.dtype))

@@ -128,6 +128,34 @@ def test_the_noise_is_a_function_of_seed_position_and_token_alone():
     assert torch.equal(masked[1], noise[1]) and not masked[0].any()
 
 
+def test_the_host_draws_the_devices_noise(monkeypatch):
+    """The native kernel's uniforms are the murmur3 path's bits (what an accelerator runs)."""
+    seeds, positions = torch.tensor([5, -9, 2**62]), torch.tensor([[3, 4], [0, 7], [2**40, 1]])
+    host = rng.coupling_uniforms(seeds, positions, 300)
+    monkeypatch.setattr(rng, "HOST_HASH_DEVICES", frozenset())
+    assert torch.equal(host, rng.coupling_uniforms(seeds, positions, 300))
+
+
+@pytest.mark.parametrize("shape", ["peaked", "flat", "sparse"])
+def test_the_coupled_token_is_the_gumbel_max_of_p(shape, monkeypatch):
+    """A coupled row's token found by the native pass (the logarithm of a few tokens only) is
+    the Gumbel-max token of p under coupling_noise, and the device path's (its noise whole)."""
+    gen = torch.Generator().manual_seed(0)
+    n, vocab = 300, 5000
+    logits = (
+        torch.randn(n, 1, vocab, generator=gen) * {"peaked": 8, "flat": 0.1, "sparse": 3}[shape]
+    )
+    if shape == "sparse":  # a top-k's zeros
+        logits[..., 40:] = float("-inf")
+    probs = logits.softmax(-1)
+    seeds, positions = torch.arange(n) * 7919, torch.arange(n)[:, None] + 11
+    tokens = rng.coupled_tokens(probs, seeds, positions)
+    gumbel_max = perturbed_argmax(probs, coupling_noise(seeds, positions, vocab))
+    assert torch.equal(tokens, gumbel_max)
+    monkeypatch.setattr(rng, "HOST_HASH_DEVICES", frozenset())
+    assert torch.equal(rng.coupled_tokens(probs, seeds, positions), tokens)
+
+
 @pytest.mark.parametrize("where", ["host", "device"])
 def test_the_noise_is_standard_gumbel(where, monkeypatch):
     if where == "device":  # the murmur3 path that accelerators run, here on the CPU
@@ -150,8 +178,9 @@ def coupled_draws(probs: torch.Tensor, n: int) -> torch.Tensor:
     return coupled[:, 0].argmax(-1)
 
 
-def test_the_coupled_sampler_follows_p():
-    draws = coupled_draws(P, 20000)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # the native pass; torch's
+def test_the_coupled_sampler_follows_p(dtype):
+    draws = coupled_draws(P.to(dtype), 20000)
     assert chi_square_pvalue(draws, P) > 1e-3
     # power: the same draws against p with 3% of the first token's mass moved to the second
     shifted = P.clone()
