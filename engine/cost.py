@@ -51,9 +51,10 @@ from stages.sample import probe_sampler
 
 log = logging.getLogger("tandem.cost")
 
-# how the curves are measured, in the name of the file that keeps them between starts: 2,
-# through the paged attention after a warm-up, the sampler's rows with them
-CALIBRATION_VERSION = 2
+# how the curves are measured, and what they time, in the name of the file that keeps them
+# between starts: 2, through the paged attention after a warm-up, the sampler's rows with
+# them; 3, the coupling's native pass (a seeded row's cost halved)
+CALIBRATION_VERSION = 3
 GREEDY = SamplerLoad()  # a batch whose rows all take their argmax
 FACTOR_SMOOTHING = 0.1  # weight of a new measurement in a correction factor
 # saved curves this far from a forward timed at start (and by more than STALE_S) are measured
