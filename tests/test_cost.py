@@ -104,10 +104,15 @@ def test_measured_steps_correct_the_curves():
     before = [cm.step_seconds(4, k) for k in range(4)]
     for _ in range(60):
         cm.observe(4, 3, 3 * before[3])
-    # one factor per batch size: every k's estimate scales, their ratios stay the curves'
+    # a k not seen yet takes the batch size's factor: its ratio to k = 3 stays the curves'
     for k in range(4):
         assert cm.step_seconds(4, k) == pytest.approx(3 * before[k], rel=0.01)
     assert cm.step_seconds(64, 3) == cm.forwards_seconds(64, 3)  # other batch sizes keep theirs
+    # a k seen keeps its own: one-row steps measured as the curves say, k = 3 stays 3x
+    for _ in range(60):
+        cm.observe(4, 0, before[0])
+    assert cm.step_seconds(4, 0) == pytest.approx(before[0], rel=0.01)
+    assert cm.step_seconds(4, 3) == pytest.approx(3 * before[3], rel=0.01)
 
 
 def test_a_request_not_drafted_for_is_tried_again_after_a_while():
@@ -143,7 +148,7 @@ def test_sampled_rows_are_priced():
     assert 0 < cm.choose([0.6], [6], coupled) < cm.choose([0.6], [6])
     for _ in range(60):  # sampled steps as the curves say: nothing to correct
         cm.observe(1, 2, cm.forwards_seconds(1, 2, load=coupled), coupled)
-    assert cm.factors[0] == pytest.approx(1.0)
+    assert cm.factors[(0, 2)] == pytest.approx(1.0)
 
 
 def test_calibration_file_round_trip(tmp_path):
