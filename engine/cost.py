@@ -10,8 +10,8 @@ for a drafter that skips the refill of a step it drafts nothing in (Drafter.lazy
 catch-up when it drafts again left out. The last two terms are the sampler's rows: D sampled
 requests drawn by the inverse CDF, C by the seeded coupling (core.params.SamplerLoad), each of
 k + 1 rows; a greedy row's argmax is small beside its verify. At temperature 1 a row's
-distribution and draw cost SmolLM2 a tenth of a one-row forward, its coupling's noise a half:
-left out, long drafts of a low acceptance looked nearly free. The curves are measured at
+distribution and draw cost SmolLM2 6% of a one-row forward, a seeded row's 12% (before the
+coupling's native pass, 25%): left out, long drafts of a low acceptance looked nearly free. The curves are measured at
 start-up by timing the models' forwards and the sampler at a few sizes (or loaded from a
 calibration file) and interpolated;
 each batch-size bucket keeps correction factors learned from the steps' measured device
