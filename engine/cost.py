@@ -11,14 +11,14 @@ catch-up when it drafts again left out. The last two terms are the sampler's row
 requests drawn by the inverse CDF, C by the seeded coupling (core.params.SamplerLoad), each of
 k + 1 rows; a greedy row's argmax is small beside its verify. At temperature 1 a row's
 distribution and draw cost SmolLM2 6% of a one-row forward, a seeded row's 12% (before the
-coupling's native pass, 25%): left out, long drafts of a low acceptance looked nearly free. The curves are measured at
-start-up by timing the models' forwards and the sampler at a few sizes (or loaded from a
-calibration file) and interpolated;
-each batch-size bucket keeps correction factors learned from the steps' measured device
-time, which bring in what the forwards alone miss (attention over the context, copies, the
-draft rows' handling): one for each k seen, and one for the bucket, which a k not seen yet
-takes. One factor for every k mispriced the rows: on SmolLM2 at temperature 1 a second row
-cost 1.33 ms of device time, the curves 0.72 ms times the factor of one-row steps (1.26).
+coupling's native pass, 25%): left out, long drafts of a low acceptance looked nearly free.
+The curves are measured at start-up by timing the models' forwards and the sampler at a few
+sizes (or loaded from a calibration file) and interpolated; each batch-size bucket keeps
+correction factors learned from the steps' measured device time, which bring in what the
+forwards alone miss (attention over the context, copies, the draft rows' handling): one for
+each k seen, and one for the bucket, which a k not seen yet takes. One factor for every k
+mispriced the rows: on SmolLM2 at temperature 1 a second row cost 1.33 ms of device time, the
+curves 0.72 ms times the factor of one-row steps (1.26).
 
 Request i, whose drafts are each accepted with probability a_i and which may draft n_i(k) <= k
 tokens, emits in expectation (1 - a_i^(n_i + 1)) / (1 - a_i) tokens a step. The chosen k
