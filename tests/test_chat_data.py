@@ -102,7 +102,7 @@ def test_one_command_makes_a_head_and_resumes(tiny_target, tmp_path, monkeypatch
     from train import auto
 
     out = tmp_path / "head"
-    argv = ["--model", str(tiny_target), "--hours", "0.01", "--out", str(out),
+    argv = ["--model", str(tiny_target), "--hours", "0.004", "--out", str(out),
             "--self-written", "8", "--text-tasks", "8", "--validate-prompts", "2",
             "--window", "32", "--kind", "eagle-original"]  # fmt: skip
     auto.main(argv)

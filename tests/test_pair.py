@@ -55,8 +55,9 @@ async def test_every_drafter_is_lossless_on_the_pairs_types(pair, plain, method,
 @pytest.mark.timeout(600)
 async def test_the_real_pair_is_lossless_under_every_drafter():
     """Qwen2.5-Coder-1.5B-Instruct served by name (the default policy over its 0.5B draft
-    model, n-gram and suffix decoding), each request naming its drafter, then the draft model
-    alone without the draft vocabulary: the same greedy answer, token for token."""
+    model, n-gram and suffix decoding), each request naming its drafter: the same greedy
+    answer, token for token. (The draft model over the whole vocabulary, on these types:
+    test_every_drafter_is_lossless_on_the_pairs_types.)"""
     chat = [{"role": "user", "content": "Write a Python function that reverses a string."}]
     outputs = {}
 
@@ -72,11 +73,6 @@ async def test_the_real_pair_is_lossless_under_every_drafter():
         assert set(engine.config.spec.drafters) == {"none", "auto", "draft", "ngram", "suffix"}
         for method in engine.config.spec.drafters:
             outputs[method] = await answer(engine, method)
-    config = make_config(
-        "qwen2.5-coder", "draft", k=4, max_model_len=1024, spec_kw={"draft_vocab": 0}
-    )
-    async with running(config) as engine:
-        outputs["draft-whole-vocabulary"] = await answer(engine, "draft")
     assert "def " in engine.tokenizer.decode(outputs["none"])
     for name, output in outputs.items():
         assert output == outputs["none"], name
