@@ -22,7 +22,10 @@ from tests.engine_util import make_config, ragged_prompts, running, staggered, t
 
 # a verify of n + 1 rows costs 1 + 0.1 n; each model draft 0.05 more
 PRICES = Prices(
-    free=lambda n, load: 1 + 0.1 * n, model=lambda k, load: 1 + 0.15 * k, catch_up=lambda n: 0.0
+    free=lambda n, load: 1 + 0.1 * n,
+    model=lambda k, load: 1 + 0.15 * k,
+    catch_up=lambda n: 0.0,
+    batch=lambda rows, width, load: 1 + 0.1 * rows * (width + 1),
 )
 K = 4
 MODEL = "draft"  # the rows the draft model drafts are named by what it is
@@ -199,6 +202,34 @@ def test_a_sampled_request_prices_its_rows_sampling():
         request.free_rates["suffix"].restart(0.0)
         drafter.host_drafts([FakeSeq(request)], 0)  # type: ignore[list-item]
         assert drafter.chosen == [chosen]
+
+
+def test_a_batch_drafts_only_as_wide_as_pays_for_all_its_rows():
+    """Every row verifies as many positions as the widest: a lookup at 30% that pays for its
+    request alone does not pay for 15 other rows padded to its width; rows that copy their
+    prompt (all accepted before) still do. Where the model drafts, the width is its k."""
+
+    def request(prompt: list[int], rate: float) -> FakeSeq:
+        r = Request("r", prompt, SamplingParams(temperature=0, max_tokens=64), 0, 0.0)
+        r.free_rates["ngram"].restart(rate)
+        r.free_rates["suffix"].restart(0.0)
+        return FakeSeq(r)
+
+    drafter = PolicyDrafter(NoDrafter(), "none", SuffixDrafter(), (1, 4), K, PRICES)
+    lookup, fresh = [5, 6, 7, 8, 9] * 3, [1, 2, 3]  # n-gram proposes for one, not the other
+    assert drafter.host_drafts([request(lookup, 0.3)], 0) == [[5]]
+    batch = [request(lookup, 0.3)] + [request(fresh, 0.3) for _ in range(15)]
+    assert drafter.host_drafts(batch, 0) == [[]] * 16  # type: ignore[arg-type]
+    assert drafter.chosen == [NONE] * 16
+    copying = [request(lookup, 0.99) for _ in range(16)]
+    assert drafter.host_drafts(copying, 0) == [[5, 6, 7, 8]] * 16  # type: ignore[arg-type]
+    model = PolicyDrafter(NoModel(), MODEL, SuffixDrafter(), (1, 4), K, PRICES)  # type: ignore[arg-type]
+    pair = [request(lookup, 0.99), request(fresh, 0.0)]
+    pair[0].request.acceptance.restart(0.0)
+    pair[1].request.acceptance.restart(0.9)
+    for seq in pair:
+        seq.request.acceptance.steps = TRY_MODEL_STEPS
+    assert model.host_drafts(pair, 2) == [[5, 6], None]  # type: ignore[arg-type]
 
 
 def test_with_no_model_the_free_drafters_alone_are_weighed():
