@@ -125,16 +125,14 @@ def policy_prices(cost: CostModel | None) -> Prices:
     fixed k (no cost model), every option the same: drafts whenever they give tokens."""
     if cost is None:
         return Prices(
-            free=lambda n, load: 1.0,
+            batch=lambda rows, width, load: 1.0,
             model=lambda k, load: 1.0,
             catch_up=lambda n: 0.0,
-            batch=lambda rows, width, load: 1.0,
         )
     return Prices(
-        free=lambda n, load: cost.step_seconds(1, n, drafted=False, load=load),
+        batch=lambda rows, width, load: cost.step_seconds(rows, width, drafted=False, load=load),
         model=lambda k, load: cost.step_seconds(1, k, load=load),
         catch_up=cost.calibration.draft,
-        batch=lambda rows, width, load: cost.step_seconds(rows, width, drafted=False, load=load),
     )
 
 

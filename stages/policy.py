@@ -39,16 +39,14 @@ TRY_MODEL_STEPS = 2
 
 @dataclasses.dataclass(frozen=True)
 class Prices:
-    """Seconds of a one-row step: `free(n, load)` verifying n drafts proposed at no cost,
-    `model(k, load)` verifying k drafts of the model with its forwards, each with the sampler's
-    rows of the request's kind (`load`: one request's); `catch_up(n)` the model's forward over
-    n tokens it lacks; `batch(B, w, load)` a step of B rows each w drafts wide, proposed at no
-    cost (the cost model's curves)."""
+    """Seconds of a step: `batch(B, w, load)` of B rows each w drafts wide, proposed at no
+    cost, with the sampler's rows of the batch's kinds (`load`); `model(k, load)` a one-row
+    step verifying k drafts of the model with its forwards; `catch_up(n)` the model's forward
+    over n tokens it lacks (the cost model's curves)."""
 
-    free: Callable[[int, SamplerLoad], float]
+    batch: Callable[[int, int, SamplerLoad], float]
     model: Callable[[int, SamplerLoad], float]
     catch_up: Callable[[int], float]
-    batch: Callable[[int, int, SamplerLoad], float]
 
 
 def best_length(rate: float, proposed: int, prices: list[float]) -> tuple[int, float]:
@@ -95,11 +93,19 @@ class PolicyDrafter:
         """Each row's free draft, [] where it drafts nothing, None where the model drafts (k:
         the cost model's choice for the model)."""
         self.suffix.retire()
-        rows = self._batch_width(seqs, [self._choose(seq, k) for seq in seqs], k)
+        # a row's share of the batch's step by its drafts' width, as if every row drafted as
+        # many: at one row a one-row step; at 16 a second position costs SmolLM2 1.9x, so
+        # that a lookup no row could pay for is not even asked for
+        load, size = SamplerLoad.of([seq.request.params for seq in seqs]), len(seqs)
+        share = [self.prices.batch(size, n, load) / size for n in range(self.max_k + 1)]
+        chosen = [self._choose(seq, k, share) for seq in seqs]
+        rows = self._batch_width(seqs, chosen, k, load)
         self.chosen = [name for name, _ in rows]
         return [drafts for _, drafts in rows]
 
-    def _batch_width(self, seqs: list[Sequence], rows: list[Row], k: int) -> list[Row]:
+    def _batch_width(
+        self, seqs: list[Sequence], rows: list[Row], k: int, load: SamplerLoad
+    ) -> list[Row]:
         """The rows' free drafts cut to the batch's width: every row verifies as many
         positions as the widest (the others' padded), so that one request's long draft costs
         the whole batch, which a row's own price does not see (at 16 requests, SmolLM2's
@@ -111,7 +117,6 @@ class PolicyDrafter:
         lengths = [len(drafts or []) for _, drafts in rows]
         if len(rows) == 1 or max(lengths) == 0:
             return rows
-        load = SamplerLoad.of([seq.request.params for seq in seqs])
         rates = [
             seq.request.free_rates[name].rate if name else 0.0
             for seq, (name, _) in zip(seqs, rows, strict=True)
@@ -125,8 +130,9 @@ class PolicyDrafter:
         width = max(range(max(lengths) + 1), key=speed)  # the narrowest of equal speeds
         return [_cut(row, width) for row in rows]
 
-    def _choose(self, seq: Sequence, k: int) -> tuple[str, list[int] | None]:
-        """(who drafts the sequence's row, its drafts: None for the model's)."""
+    def _choose(self, seq: Sequence, k: int, share: list[float]) -> Row:
+        """(who drafts the sequence's row, its drafts: None for the model's); share[n]: the
+        row's share of the step with n free drafts a row."""
         request = seq.request
         named = request.params.speculative_method or "auto"
         free = self.free_drafts(request)
@@ -143,7 +149,7 @@ class PolicyDrafter:
         # forwards later: the lazy refill skips this step's tokens, a catch-up runs them
         caught_up = self.lazy_refill and seq.draft_from is None
         switch = self.prices.catch_up(1) if model and caught_up else 0.0
-        prices = [self.prices.free(n, load) + switch for n in range(self.max_k + 1)]
+        prices = [seconds + switch for seconds in share]
         # at an equal speed, the option first in this order: nothing, then the drafts that
         # cost no model forward
         best: tuple[float, str, list[int] | None] = (1 / prices[0], NONE, [])

@@ -20,12 +20,11 @@ from stages.policy import NONE, TRY_MODEL_STEPS, PolicyDrafter, Prices
 from stages.suffix import SuffixDrafter
 from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
 
-# a verify of n + 1 rows costs 1 + 0.1 n; each model draft 0.05 more
+# a step of rows each verifying n + 1 positions costs 1 + 0.1 n a row; each model draft 0.05 more
 PRICES = Prices(
-    free=lambda n, load: 1 + 0.1 * n,
+    batch=lambda rows, width, load: 0.9 * rows + 0.1 * rows * (width + 1),
     model=lambda k, load: 1 + 0.15 * k,
     catch_up=lambda n: 0.0,
-    batch=lambda rows, width, load: 1 + 0.1 * rows * (width + 1),
 )
 K = 4
 MODEL = "draft"  # the rows the draft model drafts are named by what it is
@@ -190,8 +189,9 @@ def test_a_request_tries_the_model_first_unless_its_deferred_prefill_is_long():
 def test_a_sampled_request_prices_its_rows_sampling():
     """A lookup that pays for a greedy request at 30% acceptance does not for a seeded sampled
     one, each of whose verified rows costs the sampler its coupling's noise too."""
-    noise = lambda n, load: 0.3 * (n + 1) * load.coupled  # noqa: E731
-    prices = dataclasses.replace(PRICES, free=lambda n, load: PRICES.free(n, load) + noise(n, load))
+    noise = lambda width, load: 0.3 * (width + 1) * load.coupled  # noqa: E731
+    batch = lambda rows, width, load: PRICES.batch(rows, width, load) + noise(width, load)  # noqa: E731
+    prices = dataclasses.replace(PRICES, batch=batch)
     drafter = PolicyDrafter(NoDrafter(), "none", SuffixDrafter(), (1, 4), K, prices)
     for params, chosen in (
         (SamplingParams(temperature=0), "ngram"),
