@@ -79,7 +79,7 @@ def test_switching_drafters_within_a_request_follows_target(models, seeded, monk
     policy's own, which tests/test_policy.py holds); the joint law is still the target's."""
     target, draft = models
 
-    def alternate(self, seq, k):
+    def alternate(self, seq, k, share):
         lookup = self.free_drafts(seq.request)["ngram"]()
         if len(seq.request.output_ids) % 2 == 0 and lookup:
             return "ngram", lookup
