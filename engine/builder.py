@@ -121,8 +121,8 @@ def draft_model_path(model: str) -> Path:
 
 
 def policy_prices(cost: CostModel | None) -> Prices:
-    """The seconds of a one-row step by what it verifies, from the cost model's curves; with a
-    fixed k (no cost model), every option the same: drafts whenever they give tokens."""
+    """The seconds of a step by what it verifies, from the cost model's curves; with a fixed k
+    (no cost model), every option the same: drafts whenever they give tokens."""
     if cost is None:
         return Prices(
             batch=lambda rows, width, load: 1.0,

@@ -6,15 +6,18 @@ The choice is made on the host at plan time, row by row, from the request's own 
 acceptance of each drafter (Request.acceptance for the model, Request.free_rates for the
 others: the scheduler updates the one that drafted and lets the others fade toward the prior,
 so that a drafter that stopped paying is tried again after a while) and each option's price,
-the cost model's curves for a one-row step: a free draft of n tokens costs the verify of n + 1
-rows, the model's k drafts the verify of k + 1 rows and its k forwards, nothing the verify of
-one row. A draft model that lacks a request's KV (its prefill deferred, refills skipped) first
-catches up: that forward is priced too, spread over the steps left to the request; and
-leaving a caught-up draft model for a step costs the catch-up that the step's tokens will need
-(its refill skipped). A drafter's prior is what it accepted for the engine's requests before.
-The model's k is the cost model's choice for the batch (0: the model does not draft this
-step). Every choice is lossless because each drafter is: the target verifies whatever was
-proposed. A request may name one drafter alone (`speculative_method`).
+the cost model's curves: a free draft of n tokens costs the row's share of a step whose rows
+verify n + 1 positions each (at one row, the verify of n + 1 rows), the model's k drafts the
+verify of k + 1 rows and its k forwards, nothing the verify of one row; the sampler's rows
+are priced with them. Every row of a step verifies as many positions as the widest, so the
+rows' free drafts are then cut to the batch's width that pays for the whole step (where the
+model drafts, its k). A draft model that lacks a request's KV (its prefill deferred, refills
+skipped) first catches up: that forward is priced too, spread over the steps left to the
+request; and leaving a caught-up draft model for a step costs the catch-up that the step's
+tokens will need (its refill skipped). A drafter's prior is what it accepted for the engine's
+requests before. The model's k is the cost model's choice for the batch (0: the model does
+not draft this step). Every choice is lossless because each drafter is: the target verifies
+whatever was proposed. A request may name one drafter alone (`speculative_method`).
 """
 
 from __future__ import annotations
