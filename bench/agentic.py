@@ -320,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--weights", choices=WEIGHTS, default="auto", help="our weights (server.py --weights)"
     )
-    parser.add_argument("--fixed-k", action="store_true", help="edits, echo: no cost model")
+    parser.add_argument("--fixed-k", action="store_true", help="turns, edits, echo: no cost model")
     args = parser.parse_args(argv)
     if args.workload in ("turns", "edits", "echo"):
         if args.workload == "turns":

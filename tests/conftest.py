@@ -21,10 +21,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# a run spread over workers (pytest -n 2, as scripts/test.sh does) gives each one core
+THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_threads():
     torch.manual_seed(0)
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
 
 
 @pytest.fixture(scope="session")

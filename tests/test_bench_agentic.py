@@ -61,7 +61,8 @@ def test_the_turns_workload_serves_each_history_with_every_method(tmp_path):
     from bench.agentic import main
 
     out = tmp_path / "rows.json"
-    args = ["--workload", "turns", "--model", "demo", "--chats", "1", "--turns", "2"]
+    # at a fixed k, so that suffix decoding drafts whatever a busy machine's cost model prices
+    args = ["--workload", "turns", "--model", "demo", "--chats", "1", "--turns", "2", "--fixed-k"]
     assert main([*args, "--methods", "none", "suffix", "--max-tokens", "6", "--out", str(out)]) == 0
     rows = {row["method"]: row for row in json.loads(out.read_text())}
     assert set(rows) == {"none", "suffix"} and rows["none"]["vs_none"] == 1.0
