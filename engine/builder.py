@@ -27,6 +27,7 @@ from engine.config import DEMO, QWEN_CODER, SMOLLM2, EngineConfig, SpecConfig
 from engine.cost import CALIBRATION_VERSION, CostModel, build_cost_model
 from engine.parallel import Group
 from engine.scheduler import Scheduler
+from engine.step_graph import StepGraph, one_token_step
 from kv.cache import KVCache
 from kv.pages import PageAllocator
 from kv.prefix import PrefixIndex
@@ -160,6 +161,7 @@ class DeviceStages:
     verifier: Verifier
     sampler: SampleStage
     refiller: RefillStage
+    graph: StepGraph | None = None  # the whole step as one graph, where it is one
 
 
 @dataclass
@@ -219,7 +221,8 @@ class Builder:
             prefixes = PrefixIndex(config.kv.page_size, pairs_ahead=spec.head == "eagle")
         allocator = PageAllocator(num_pages, prefixes)
         cache = self.cache_for(model, num_pages)
-        history = TokenHistory(config.max_running, max_model_len + 2 * k + 4, self.device)
+        rows = config.max_running + config.graphs  # with graphs, the padding rows' scratch row
+        history = TokenHistory(rows, max_model_len + 2 * k + 4, self.device)
         drafter = self.drafter(spec, model, cache, attention, num_pages, history)
         release_freed_memory()  # loading's temporaries, before the engine settles
         cost = None
@@ -253,6 +256,7 @@ class Builder:
             sampler=SampleStage(history, model.config.vocab_size),
             refiller=RefillStage(history, drafter),
         )
+        stages.graph = self.step_graph(stages, num_pages)
         scheduler = Scheduler(
             allocator,
             config.kv.page_size,
@@ -388,7 +392,8 @@ class Builder:
         history: TokenHistory,
     ) -> Drafter:
         """The drafter for `spec.method`; its cache shares the target's page ids."""
-        rows, sampled = self.config.max_running, spec.sampled_drafts
+        rows = self.config.max_running + self.config.graphs  # as the token history's
+        sampled = spec.sampled_drafts
         aware = spec.grammar_drafting
         if spec.method == "none":
             return NoDrafter()
@@ -453,6 +458,20 @@ class Builder:
         scratch = num_pages * self.config.kv.page_size  # the page cache_for adds
         capture = self.device.type == "cuda"
         return partial(GraphedForward, device=self.device, scratch_slot=scratch, capture=capture)
+
+    def step_graph(self, stages: DeviceStages, num_pages: int) -> StepGraph | None:
+        """MTP's one-token step as one graph (engine/step_graph.py), where every forward in
+        it runs over static buffers: with --cuda-graphs, in one-token mode, no MoE layer."""
+        drafter = stages.drafter
+        forwards = (stages.verifier.run, getattr(drafter, "run", None))
+        if not self.config.spec.one_token_mode:
+            return None
+        if not all(isinstance(f, GraphedForward) for f in forwards):
+            return None
+        body = one_token_step(stages)
+        scratch = num_pages * self.config.kv.page_size  # the page cache_for adds
+        capture = self.device.type == "cuda"
+        return StepGraph(body, self.device, scratch, self.config.max_running, capture)
 
     def _draft_model(
         self,

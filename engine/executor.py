@@ -34,8 +34,9 @@ class Sampled:
     """What the step's first piece leaves for its refill."""
 
     dev: DevicePlan
-    out: TargetOutput
+    out: TargetOutput | None  # None: the step ran as one graph, its refill included
     verdict: Verdict
+    refilled: int = 0  # one graph's: the drafter's refill columns
 
 
 @dataclass
@@ -137,7 +138,28 @@ class Executor:
         self, plan: Plan, time: DeviceTime, copied: Event, layout: dict[str, int]
     ) -> Sampled:
         start = self.compute.item_started
+        graph = self.stages.graph
+        if graph is not None and graph.takes(plan):
+            return self._whole_step(plan, time, copied.value(), layout, start)
         return self._to_sample(plan, time, copied.value(), layout, None, start)
+
+    def _whole_step(
+        self,
+        plan: Plan,
+        time: DeviceTime,
+        buffer: torch.Tensor,
+        layout: dict[str, int],
+        start: float | None,
+    ) -> Sampled:
+        """The step as one graph (engine/step_graph.py): insert, draft, verify, sample and
+        refill in one stage, `step`."""
+        assert self.stages.graph is not None
+        with self._stage(plan, time, "upload", None, start):
+            dev = unpack(plan, buffer, layout)
+        with self._stage(plan, time, "step", dev) as fields:
+            verdict, columns = self.stages.graph(plan, dev)
+            fields["drafter_tokens"] = columns
+        return Sampled(dev, None, verdict, refilled=columns)
 
     def _to_sample(
         self,
@@ -194,6 +216,8 @@ class Executor:
     def _refill(
         self, plan: Plan, time: DeviceTime, first: Sampled, start: float | None = None
     ) -> int:
+        if first.out is None:  # refilled inside the step's graph
+            return first.refilled
         with self._stage(plan, time, "refill", first.dev, start) as fields:
             tokens = self.stages.refiller(plan, first.dev, first.out, first.verdict)
             fields["drafter_tokens"] = tokens  # the drafter's refill forward: tokens per sequence

@@ -19,7 +19,9 @@ metadata is derived again at each replay (a fresh `SharedKeys` a call).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,24 @@ MIN_KEYS = 256  # the smallest key bucket; each next one doubles (attention past
 
 # (input ids [T], positions [T], metadata, more inputs [T, ...]) -> outputs [T, ...]
 Forward = Callable[..., tuple[torch.Tensor, ...]]
+
+_step = threading.local()
+
+
+@contextlib.contextmanager
+def whole_step() -> Iterator[None]:
+    """While a whole step runs over static buffers as one graph (engine/step_graph.py): the
+    forwards inside it run as they are (their inputs are the step's static ones already), and
+    shapes never depend on values (stages.draft.refill_columns)."""
+    _step.on = True
+    try:
+        yield
+    finally:
+        _step.on = False
+
+
+def in_whole_step() -> bool:
+    return getattr(_step, "on", False)
 
 
 @dataclass(frozen=True)
@@ -151,6 +171,8 @@ class GraphedForward:
         bucket = bucket_of(meta)
         if bucket is None or meta.q_index.shape[0] != meta.num_seqs * meta.max_q:
             return self.forward(ids, positions, meta, *extra)  # a prefill chunk, a large batch
+        if in_whole_step():  # inside the step's own graph
+            return self.forward(ids, positions, meta, *extra)
         inputs = self.inputs.get(bucket)
         if inputs is None:
             inputs = self.inputs[bucket] = StaticInputs(bucket, self.device, self.scratch_slot)

@@ -12,6 +12,7 @@ from core.params import SamplingTensors
 from core.step import CatchUp, DevicePlan, Drafts, Plan, Sequence, TargetOutput, Verdict
 from models import native
 from models.attention import CausalAttention
+from models.graphs import in_whole_step
 from stages.grammar import DraftWalk, GrammarWalk
 from stages.logits import add_logit_bias, mask_logits, process_logits
 from stages.rng import SALT_DRAFT, coupling_noise, perturbed_argmax, uniform
@@ -108,8 +109,9 @@ def refill_columns(num_accepted: torch.Tensor, width: int) -> int:
     first) to run: up to the longest accepted prefix and the emitted token after it; the
     columns past it lie past the committed length, where nothing reads them before the next
     step rewrites them. On the CPU the accepted counts are already on the host, so the
-    refill skips those columns; an accelerator runs them all (fixed shapes, no sync)."""
-    if num_accepted.device.type != "cpu":
+    refill skips those columns; an accelerator runs them all (fixed shapes, no sync), and so
+    does a step run as one graph."""
+    if num_accepted.device.type != "cpu" or in_whole_step():
         return width
     return min(width, int(num_accepted.max()) + 1)
 

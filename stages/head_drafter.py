@@ -67,8 +67,9 @@ class HeadDrafter:
         self.last_feature = weight.new_zeros(max_rows, h)  # [rows, H]
         # the target feature at each page's last position, once committed: a chunk that
         # starts on a page boundary pairs it with its first token (after a prefix-cache hit,
-        # the page's only record of it)
-        self.page_features = weight.new_zeros(cache.num_pages, h)  # [pages, H]
+        # the page's only record of it); one row more, which the positions that end no page
+        # write (a decode step's writes keep their shapes: no sync, a step's graph holds them)
+        self.page_features = weight.new_zeros(cache.num_pages + 1, h)  # [pages + 1, H]
 
     def host_drafts(self, seqs: list[Sequence], k: int) -> list[list[int] | None] | None:
         return None
@@ -165,7 +166,9 @@ class HeadDrafter:
         m, ps = features.shape[1], self.cache.page_size
         j = torch.arange(m, device=features.device)
         ends = (j <= accepted[:, None]) & ((dev.base[:, None] + j + 1) % ps == 0)  # [B, m]
-        self.page_features[_page(dev.tail_slots[:, :m][ends], ps)] = features[ends]
+        nowhere = self.page_features.shape[0] - 1
+        pages = torch.where(ends, _page(dev.tail_slots[:, :m], ps), nowhere)  # [B, m]
+        self.page_features[pages.flatten()] = features.flatten(0, 1)
 
     def _defer(self, dev, index, tokens, features, positions, slots, accepted) -> None:
         """Run the head over pairs [E, m] and keep its outputs at column `accepted` (0 if None)

@@ -12,6 +12,7 @@ import torch
 
 from core.params import SamplingTensors
 from models import native
+from models.graphs import in_whole_step
 
 SALT_SAMPLE = 0  # the token emitted at a position: plain decode, bonus, recovered, tree
 SALT_ACCEPT = 1  # the accept test of a sampled draft token
@@ -237,7 +238,9 @@ def couple(
     b, r, v = probs.shape
     if probs.device.type in HOST_HASH_DEVICES:  # the coupled rows' tokens, each found alone
         positions = first[:, None] + (torch.arange(r) if offsets is None else offsets)
-        if bool(st.coupled.all()):
+        # every row where all are coupled, or where shapes must not depend on values (a
+        # step's graph: the others' tokens are found and left unused)
+        if in_whole_step() or bool(st.coupled.all()):
             tokens = coupled_tokens(probs, st.seeds, positions)[..., None]
         else:
             rows = st.coupled.nonzero().flatten()

@@ -5,6 +5,9 @@ import threading
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
 
 # what engines keep between starts (cost-model curves) stays inside the test run
 os.environ["TANDEM_CACHE"] = tempfile.mkdtemp(prefix="tandem-cache-")
@@ -114,7 +117,8 @@ def forbid_host_sync(monkeypatch):
 
     @contextlib.contextmanager
     def stage(self, plan, time, name, *args):
-        guarded.on = plan.kind == "decode" and name in ("draft", "verify", "sample", "refill")
+        stages = ("draft", "verify", "sample", "refill", "step")  # step: the whole as one graph
+        guarded.on = plan.kind == "decode" and name in stages
         try:
             with traced(self, plan, time, name, *args) as fields:
                 yield fields
@@ -122,3 +126,46 @@ def forbid_host_sync(monkeypatch):
             guarded.on = False
 
     monkeypatch.setattr(Executor, "_stage", stage)
+
+
+class CaptureGuard(TorchDispatchMode):
+    """Refuses what a CUDA graph cannot hold: an operation whose output's shape depends on
+    values (nonzero, boolean indexing, ...) or that reads a value to the host (item)."""
+
+    REFUSED = {
+        aten._local_scalar_dense.default,
+        aten.nonzero.default,
+        aten.masked_select.default,
+        aten._unique2.default,
+        aten.unique_consecutive.default,
+        aten.unique_dim.default,
+        aten.bincount.default,
+        aten.equal.default,
+        aten.is_nonzero.default,
+    }
+    INDEXING = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        refused = func in self.REFUSED
+        if func.overloadpacket in self.INDEXING:  # a boolean index is a nonzero inside
+            refused = any(i is not None and i.dtype == torch.bool for i in args[1])
+        if func in (aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor):
+            refused = kwargs.get("output_size") is None  # its length is the repeats' sum
+        if refused:
+            raise RuntimeError(f"not capturable in a graph: {func}")
+        return func(*args, **kwargs)
+
+
+@pytest.fixture
+def forbid_capture_breaks(monkeypatch):
+    """While a step runs as one graph (engine/step_graph.py), CaptureGuard is on."""
+    from engine.step_graph import StepGraph
+
+    run = StepGraph.__call__
+
+    def guarded(self, *args):
+        with CaptureGuard():
+            return run(self, *args)
+
+    monkeypatch.setattr(StepGraph, "__call__", guarded)
