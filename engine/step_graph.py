@@ -120,10 +120,10 @@ class StaticStep:
         b, lmax = meta.kv_slots.shape
         row, slot = self.scratch_row, self.scratch_slot
         padding = {"rows": row, "token_rows": row, "tail_slots": slot, "host_drafts": -1}
-        for name in ("rows", "base", "positions", "token_rows", "tail_slots", "host_drafts"):
-            _fill(getattr(s, name), getattr(dev, name), padding.get(name, 0))
-        for name in ("num_drafts", "prompt_lens", "unknown"):
-            _fill(getattr(s, name), getattr(dev, name), 0)
+        for name in ("base", "positions", "num_drafts", "prompt_lens", "unknown"):
+            padding[name] = 0
+        for name, value in padding.items():
+            _fill(getattr(s, name), getattr(dev, name), value)
         _fill(static.slot_mapping, meta.slot_mapping, slot)
         _fill(static.kv_lens, meta.kv_lens, 1)
         static.kv_slots[:b, :lmax].copy_(meta.kv_slots)

@@ -3,11 +3,12 @@ to a Chrome trace that Perfetto opens.
 
     python -m engine.trace STEPS.jsonl -o trace.json
 
-A record holds `step`, `stage` (plan/draft/verify/sample/refill), `start` and `end` in
-`time.perf_counter()` seconds, and whatever the engine adds (`batch_size`, `num_tokens`,
-`accepted`, `k`, the refill's `drafter_tokens`: tokens per sequence the drafter's refill forward
-ran over, ...). In the Chrome trace, host stages and device stages sit on two tracks, so
-a plan hidden behind device work shows as overlap.
+A record holds `step`, `stage` (plan/draft/verify/sample/refill; `step`: a whole step run as
+one graph, engine/step_graph.py), `start` and `end` in `time.perf_counter()` seconds, and
+whatever the engine adds (`batch_size`, `num_tokens`, `accepted`, `k`, the refill's
+`drafter_tokens`: tokens per sequence the drafter's refill forward ran over, ...). In the
+Chrome trace, host stages and device stages sit on two tracks, so a plan hidden behind device
+work shows as overlap.
 """
 
 from __future__ import annotations

@@ -6,9 +6,12 @@ First the forwards, synchronised, eager and graphed in turn, median of `--repeat
 a 512-token context with the torch attention backend: a decode (one row a sequence), a verify
 of 5 rows, and an EAGLE head's draft step (one row), at batch 1 and 16. Then the whole engine,
 `--cuda-graphs` off and on in turn: tokens a second at batch 1 and 16 for plain decoding and
-MTP's one-token mode. Random weights of SmolLM2-135M-Instruct's shapes (no model travels to a
-GPU machine; a forward's time does not depend on the weights' values); they accept no draft,
-so a one-token-mode step emits one token a sequence and tokens a second are steps a second.
+MTP's one-token mode (whose step is one graph with graphs on: engine/step_graph.py), its
+decode steps a second, the kernel and graph launches a step (counted by the profiler on
+CUDA), and each step graph's capture time and memory. Random weights of SmolLM2-135M-Instruct's
+shapes (no model travels to a GPU machine; a forward's time does not depend on the weights'
+values); they accept almost no draft, so a one-token-mode step emits about one token a
+sequence.
 """
 
 from __future__ import annotations
@@ -108,21 +111,47 @@ def write_checkpoint(root: Path) -> tuple[Path, Path]:
     return root / "target", root / "mtp"
 
 
-async def engine_tokens_per_s(config: EngineConfig, batch: int, tokens: int) -> float:
+@dataclasses.dataclass
+class EngineRun:
+    tokens_per_s: float
+    steps_per_s: float  # decode steps: the longest request's, over the wall time
+    launches: float | None  # kernel and graph launches a decode step (CUDA's runtime calls)
+    captures: list  # the step graph's (key, seconds, pool bytes added), where one was made
+
+
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")
+
+
+async def engine_run(config: EngineConfig, batch: int, tokens: int) -> EngineRun:
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     prompts = [[1 + (7 * i + j) % 300 for j in range(32)] for i in range(batch)]
     engine = AsyncEngine(config)
     await engine.start()
+    cuda = torch.device(config.device).type == "cuda"
     try:
         await asyncio.gather(*(engine.generate(p, params) for p in prompts))  # warm-up, captures
-        start = time.perf_counter()
-        await asyncio.gather(*(engine.generate(p, params) for p in prompts))
-        return batch * tokens / (time.perf_counter() - start)
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        with profiler if cuda else contextlib.nullcontext():
+            start = time.perf_counter()
+            outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+            seconds = time.perf_counter() - start
+        # a decode step emits its accepted drafts and one token; the prefill the first token
+        usages = [out[-1].usage for out in outs]
+        steps = max(u.completion_tokens - 1 - u.accepted_tokens for u in usages)
+        launches = None
+        if cuda:
+            calls = sum(e.count for e in profiler.key_averages() if e.key in LAUNCHES)
+            launches = calls / steps
+        graph = engine.stages.graph
+        captures = list(graph.captures) if graph is not None else []
+        return EngineRun(batch * tokens / seconds, steps / seconds, launches, captures)
     finally:
         await engine.stop()
 
 
 def engine_rows(args) -> list[str]:
+    """Plain decoding and MTP's one-token mode, graphs off and on in turn: tokens a second
+    (and steps a second, one-token mode), the launches a step, the step graph's captures."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         target, mtp = write_checkpoint(Path(tmp))
@@ -131,7 +160,7 @@ def engine_rows(args) -> list[str]:
             ("mtp one-token", SpecConfig("mtp", str(mtp), num_speculative_tokens=1)),
         ):
             for batch in args.batches:
-                speeds = {}
+                runs = {}
                 for graphs in ("off", "on"):
                     config = EngineConfig(
                         str(target),
@@ -142,11 +171,28 @@ def engine_rows(args) -> list[str]:
                         attention="torch",
                         cuda_graphs=graphs,
                     )
-                    speeds[graphs] = asyncio.run(engine_tokens_per_s(config, batch, args.tokens))
-                off, on = speeds["off"], speeds["on"]
-                cells = f"{batch} | {off:.0f} | {on:.0f} | {on / off:.1f}x"
-                rows.append(f"| engine {name} tok/s | {cells} |")
-                print(rows[-1], flush=True)
+                    runs[graphs] = asyncio.run(engine_run(config, batch, args.tokens))
+                off, on = runs["off"], runs["on"]
+                per_s = [("tok/s", off.tokens_per_s, on.tokens_per_s)]
+                if spec.method == "mtp":
+                    per_s.append(("steps/s", off.steps_per_s, on.steps_per_s))
+                for unit, a, b in per_s:
+                    rows.append(
+                        f"| engine {name} {unit} | {batch} | {a:.0f} | {b:.0f} | {b / a:.1f}x |"
+                    )
+                    print(rows[-1], flush=True)
+                if off.launches is not None and on.launches is not None:
+                    print(
+                        f"launches a decode step, {name} at {batch}: eager {off.launches:.0f}, "
+                        f"graphs {on.launches:.1f}",
+                        flush=True,
+                    )
+                for key, seconds, added in on.captures:
+                    print(
+                        f"step graph {key.seqs} sequences x {key.keys} keys: captured in "
+                        f"{seconds:.3f} s, pool +{added / 2**20:.1f} MiB",
+                        flush=True,
+                    )
     return rows
 
 

@@ -1,6 +1,7 @@
 """CUDA graphs through the engine: for every drafter, greedy output with the decode forwards
 captured and replayed equals eager decoding on the same device, in float32 and bfloat16, but
-at the dtype's near-ties (a bucket pads the batch, and a padded product may round apart).
+at the dtype's near-ties (a bucket pads the batch, and a padded product may round apart);
+MTP's one-token step (mtp-1) captured whole, as one graph a bucket.
 
 Run on an accelerator with tests/gpu/check.sh (its graphs step); its --dry-run runs the same
 cases on the CPU, where the static buffers run eagerly.
@@ -51,8 +52,11 @@ async def test_every_drafter_with_graphs_equals_eager(models, prompts, dtype):
             eager = [await engine.generate(p, logprobs) for p in prompts]
         async with running(config(cuda_graphs="on")) as engine:
             graphed = await staggered(engine, prompts, GREEDY, seed=5)
-            run = engine.stages.verifier.run
-            assert isinstance(run, GraphedForward) and run.inputs, name
-            if DEVICE == "cuda":
-                assert run.graphs, name  # captured, and replayed since
+            run, whole = engine.stages.verifier.run, engine.stages.graph
+            assert isinstance(run, GraphedForward), name
+            if whole is not None:  # MTP's one-token step, one graph (engine/step_graph.py)
+                assert name == "mtp-1" and whole.steps and not whole.eager
+                assert DEVICE != "cuda" or len(whole.captures) == len(whole.graphs) > 0
+            else:
+                assert run.inputs and (DEVICE != "cuda" or run.graphs), name  # replayed
         assert_departs_only_at_near_ties(eager, graphed, ROUNDING[dtype], name)
