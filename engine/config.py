@@ -420,8 +420,9 @@ class EngineConfig:
     cuda_graphs: str = option(
         "auto",
         "decode and verify forwards over static buffers per batch and context bucket, "
-        "captured as CUDA graphs and replayed each step: auto (on on CUDA, with the torch "
-        "attention backend), on (on the CPU the same buffers run eagerly), off",
+        "captured as CUDA graphs and replayed each step (MTP's one-token step whole): auto "
+        "(on on CUDA, with the torch attention backend), on (also with --attention "
+        "flashinfer; on the CPU the same buffers run eagerly), off",
         choices=("auto", "on", "off"),
     )
     # 2: the source design's two halves of a verify batch
@@ -504,11 +505,8 @@ class EngineConfig:
             raise ValueError(f"moe_micro_batches must be 1 or 2, got {self.moe_micro_batches}")
         if self.cuda_graphs not in ("auto", "on", "off"):
             raise ValueError(f"cuda_graphs is auto, on or off, not {self.cuda_graphs!r}")
-        if self.graphs and (self.backend != "torch" or self.batch_invariant):
-            raise ValueError(
-                "--cuda-graphs captures the torch attention backend's forwards: not with "
-                "--attention flashinfer or --batch-invariant (--cuda-graphs off)"
-            )
+        if self.graphs and self.batch_invariant:
+            raise ValueError("--cuda-graphs with --batch-invariant: not yet (--cuda-graphs off)")
         if self.graphs and self.tensor_parallel_size > 1:
             raise ValueError("--cuda-graphs with tensor parallelism: not yet (--cuda-graphs off)")
         if self.batch_invariant and self.backend != "torch":
@@ -583,7 +581,9 @@ class EngineConfig:
     @property
     def graphs(self) -> bool:
         """Whether decode forwards run over static buffers (CUDA graphs), auto resolved: on
-        CUDA, unless FlashInfer, batch invariance or tensor parallelism is asked for."""
+        CUDA, unless FlashInfer, batch invariance or tensor parallelism is asked for
+        (FlashInfer's forwards under graphs are asked for by `--cuda-graphs on`: they have
+        not yet run on a GPU)."""
         if self.cuda_graphs != "auto":
             return self.cuda_graphs == "on"
         eager = self.attention == "flashinfer" or self.batch_invariant
@@ -592,8 +592,9 @@ class EngineConfig:
     @property
     def backend(self) -> str:
         """The attention backend, auto resolved: FlashInfer on CUDA in a 16-bit dtype where it
-        imports and no graphs are captured (the builder falls back to torch for a head size
-        it has no kernels for)."""
+        imports and no graphs are captured (graphs' default is torch's attention, the one
+        proven under them); the builder falls back to torch for a head size it has no
+        kernels for."""
         if self.attention != "auto":
             return self.attention
         cuda, half = self.device.startswith("cuda"), self.torch_dtype != "float32"

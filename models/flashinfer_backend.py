@@ -16,10 +16,13 @@ imported: the CPU environment does not install it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from core.attention_metadata import AttentionMetadata
 from kv.cache import KVCache
+from models.graphs import over_static_buffers
 from models.masks import pack_padded_mask
 
 FLASHINFER_HEAD_DIMS = (64, 128, 256)  # the head sizes its prefill kernels are built for
@@ -63,6 +66,8 @@ class FlashInferWrappers:
         ]
         self.copied: list[torch.cuda.Event | None] = [None] * self.RING
         self.planned = -1  # index of the wrapper holding the latest plan
+        self.workspace = workspace
+        self.buckets: dict[tuple[int, int, int], Any] = {}  # static forwards' (`static`)
 
     def plan(
         self,
@@ -100,6 +105,63 @@ class FlashInferWrappers:
         copied = torch.cuda.Event()
         copied.record()
         self.copied[self.planned] = copied
+
+    def static(
+        self,
+        qo_indptr: torch.Tensor,  # as plan's
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        kv_last_page_len: torch.Tensor,
+        tree_mask: tuple[torch.Tensor, torch.Tensor],
+    ) -> Any:
+        """The wrapper of a bucket's forwards over static buffers (models/graphs.py), made
+        with FlashInfer's CUDA-graph buffers. Its plan depends on the bucket's shape alone
+        (the host's arguments: every row the same queries over the same number of keys), so
+        it is planned once, at the bucket's first forward (a graph's warm-up, never inside a
+        capture); each later forward writes its page indices and mask into the buffers on
+        the device, which a capture holds."""
+        key = tuple(qo_indptr.tolist() + kv_indptr.tolist() + kv_last_page_len.tolist())
+        packed, offsets = tree_mask
+        wrapper = self.buckets.get(key)
+        if wrapper is not None:
+            wrapper._paged_kv_indices_buf.copy_(kv_indices)
+            wrapper._custom_mask_buf.copy_(packed)
+            return wrapper
+        import flashinfer
+
+        def buffer(n: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.empty(n, dtype=dtype, device=self.device)
+
+        rows = kv_last_page_len.shape[0]
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            qo_indptr_buf=buffer(rows + 1),
+            paged_kv_indptr_buf=buffer(rows + 1),
+            paged_kv_indices_buf=buffer(kv_indices.shape[0]),
+            paged_kv_last_page_len_buf=buffer(rows),
+            custom_mask_buf=buffer(packed.shape[0], torch.uint8),
+            mask_indptr_buf=buffer(rows + 1),
+            backend="fa2",
+        )
+        wrapper.plan(
+            qo_indptr,
+            kv_indptr,
+            kv_indices,
+            kv_last_page_len,
+            self.num_q_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.page_size,
+            packed_custom_mask=packed,
+            causal=False,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+        wrapper._mask_indptr_buf.copy_(offsets)  # bytes, not bits: as in plan (#2201)
+        self.buckets[key] = wrapper
+        return wrapper
 
     def bind(
         self, cache: KVCache, slot_mapping: torch.Tensor, q_index: torch.Tensor | None = None
@@ -167,14 +229,14 @@ class FlashInferBackend:
             self.by_shape[key] = wrappers
         rows, max_q, max_kv = meta.num_seqs, meta.max_q, meta.kv_slots.shape[1]
         pages = -(-max_kv // ps)  # each row's, the last holding max_kv - (pages - 1) * ps keys
+        indices = (meta.kv_slots[:, ::ps] // ps).to(torch.int32).reshape(-1)  # [B * pages]
+        mask = pack_padded_mask(meta.visible())
+        padded = meta.q_index.numel() != rows * max_q
+        q_index = meta.q_index if padded else None
         every = torch.arange(rows + 1, dtype=torch.int32)
         last_page_len = torch.full((rows,), max_kv - (pages - 1) * ps, dtype=torch.int32)
-        wrappers.plan(
-            every * max_q,
-            every * pages,
-            (meta.kv_slots[:, ::ps] // ps).to(torch.int32).reshape(-1),  # [B * pages]
-            last_page_len,
-            pack_padded_mask(meta.visible()),
-        )
-        padded = meta.q_index.numel() != rows * max_q
-        return wrappers.bind(cache, meta.slot_mapping, meta.q_index if padded else None)
+        plan = (every * max_q, every * pages, indices, last_page_len, mask)
+        if over_static_buffers():
+            return FlashInferAttention(wrappers.static(*plan), cache, meta.slot_mapping, q_index)
+        wrappers.plan(*plan)
+        return wrappers.bind(cache, meta.slot_mapping, q_index)

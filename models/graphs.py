@@ -36,23 +36,35 @@ MIN_KEYS = 256  # the smallest key bucket; each next one doubles (attention past
 # (input ids [T], positions [T], metadata, more inputs [T, ...]) -> outputs [T, ...]
 Forward = Callable[..., tuple[torch.Tensor, ...]]
 
-_step = threading.local()
+_static = threading.local()  # which static run this thread is inside, if any
 
 
 @contextlib.contextmanager
-def whole_step() -> Iterator[None]:
-    """While a whole step runs over static buffers as one graph (engine/step_graph.py): the
-    forwards inside it run as they are (their inputs are the step's static ones already), and
-    shapes never depend on values (stages.draft.refill_columns)."""
-    _step.on = True
+def _inside(kind: str) -> Iterator[None]:
+    outer = getattr(_static, "kind", None)
+    _static.kind = outer or kind
     try:
         yield
     finally:
-        _step.on = False
+        _static.kind = outer
+
+
+def whole_step() -> contextlib.AbstractContextManager[None]:
+    """While a whole step runs over static buffers as one graph (engine/step_graph.py): the
+    forwards inside it run as they are (their inputs are the step's static ones already), and
+    shapes never depend on values (stages.draft.refill_columns)."""
+    return _inside("step")
 
 
 def in_whole_step() -> bool:
-    return getattr(_step, "on", False)
+    return getattr(_static, "kind", None) == "step"
+
+
+def over_static_buffers() -> bool:
+    """Whether this thread runs a forward over a bucket's static buffers (a graph's warm-up,
+    capture or, on the CPU, its eager form), alone or inside a whole step: an attention
+    backend that plans on the host plans such a forward once a bucket."""
+    return getattr(_static, "kind", None) is not None
 
 
 @dataclass(frozen=True)
@@ -178,7 +190,8 @@ class GraphedForward:
             inputs = self.inputs[bucket] = StaticInputs(bucket, self.device, self.scratch_slot)
         t = inputs.fill(ids, positions, meta, extra)
         if not self.capture:
-            return tuple(x[:t] for x in self.forward(*inputs.args()))
+            with _inside("forward"):
+                return tuple(x[:t] for x in self.forward(*inputs.args()))
         if bucket not in self.graphs:
             self.graphs[bucket] = self._captured(inputs)
         graph, outputs = self.graphs[bucket]
@@ -195,7 +208,7 @@ class GraphedForward:
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), _inside("forward"):
             for _ in range(2):
                 self.forward(*inputs.args())
         current.wait_stream(side)
@@ -204,7 +217,8 @@ class GraphedForward:
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
         try:
-            outputs = self.forward(*inputs.args())
+            with _inside("forward"):
+                outputs = self.forward(*inputs.args())
         finally:
             graph.capture_end()
         return graph, outputs

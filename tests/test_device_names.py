@@ -77,6 +77,13 @@ def test_auto_dtype_attention_and_graphs_follow_the_device(
     assert (config.torch_dtype, config.backend, config.graphs) == want
 
 
+def test_flashinfer_runs_under_graphs_where_both_are_asked_for(monkeypatch):
+    pretend_flashinfer(monkeypatch, True)
+    config = EngineConfig(device="cuda", attention="flashinfer", cuda_graphs="on")
+    assert (config.backend, config.graphs) == ("flashinfer", True)
+    assert not EngineConfig(device="cuda", attention="flashinfer").graphs  # auto: eager
+
+
 @pytest.mark.parametrize("attention", ["auto", "flashinfer"])
 @pytest.mark.parametrize("head_dim", [16, 64])
 def test_flashinfer_serves_the_head_sizes_it_has_kernels_for(monkeypatch, attention, head_dim):

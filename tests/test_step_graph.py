@@ -69,7 +69,8 @@ async def test_one_token_steps_run_whole_and_equal_plain(
         assert await staggered(engine, ragged16, GREEDY, seed=5) == plain16
         graph = engine.stages.graph
         assert isinstance(graph, StepGraph) and graph.eager == 0
-        assert {key.seqs for key in graph.steps} >= {1, 2, 16}  # buckets padded and not
+        buckets = sorted({key.seqs for key in graph.steps})
+        assert len(buckets) >= 3 and buckets[-1] >= 8, buckets  # batches grew and shrank
         assert sum(graph.runs.values()) > 24
         # the forwards inside ran as they are, not over buffers of their own
         assert isinstance(engine.stages.verifier.run, GraphedForward)

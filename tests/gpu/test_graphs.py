@@ -1,7 +1,8 @@
 """CUDA graphs through the engine: for every drafter, greedy output with the decode forwards
 captured and replayed equals eager decoding on the same device, in float32 and bfloat16, but
 at the dtype's near-ties (a bucket pads the batch, and a padded product may round apart);
-MTP's one-token step (mtp-1) captured whole, as one graph a bucket.
+MTP's one-token step (mtp-1) captured whole, as one graph a bucket; with torch's attention
+and FlashInfer's (planned once a bucket, over its CUDA-graph buffers).
 
 Run on an accelerator with tests/gpu/check.sh (its graphs step); its --dry-run runs the same
 cases on the CPU, where the static buffers run eagerly.
@@ -32,8 +33,13 @@ DEVICE = "cpu" if os.environ.get("TANDEM_CHECK_DEVICE") == "cpu" else "cuda"
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-async def test_every_drafter_with_graphs_equals_eager(models, prompts, dtype):
+@pytest.mark.parametrize(
+    "dtype, attention",
+    [("float32", "torch"), ("bfloat16", "torch"), ("bfloat16", "flashinfer")],
+)
+async def test_every_drafter_with_graphs_equals_eager(models, prompts, dtype, attention):
+    if attention == "flashinfer" and DEVICE != "cuda":
+        pytest.skip("FlashInfer runs on CUDA (its static plans: tests/test_flashinfer_plan.py)")
     cases = {"none": ("none", None, 3, {}), **DRAFTERS}
     logprobs = dataclasses.replace(GREEDY, logprobs=2)
     for name, (method, draft, k, spec) in cases.items():
@@ -46,7 +52,7 @@ async def test_every_drafter_with_graphs_equals_eager(models, prompts, dtype):
             spec_kw=spec or None,
             device=DEVICE,
             dtype=dtype,
-            attention="torch",
+            attention=attention,
         )
         async with running(config(cuda_graphs="off")) as engine:  # the reference, logprobs too
             eager = [await engine.generate(p, logprobs) for p in prompts]
