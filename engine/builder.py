@@ -444,8 +444,9 @@ class Builder:
             scratch_pages = rows * -(-shape.scratch_size // page_size)  # whole pages per row
             cache = self.cache_for(head, num_pages + scratch_pages)
             start = num_pages * page_size
+            graphs = self.graphs(num_pages + scratch_pages, head)  # padding past the scratch
             return TreeDrafter(
-                head, cache, attention, rows, shape, target_cache, start, sampled, aware
+                head, cache, attention, rows, shape, target_cache, start, sampled, aware, graphs
             )
         raise ValueError(f"speculative method {spec.method!r} is not available yet")
 

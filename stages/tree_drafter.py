@@ -10,7 +10,7 @@ It never touches the head, its cache or the step's attention; TreeDrafter runs t
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +20,7 @@ from core.params import SamplingTensors
 from core.step import DevicePlan, Drafts, Plan, TargetOutput, Verdict
 from kv.cache import KVCache
 from models.attention import AttentionBackend
+from models.graphs import Forward
 from stages.draft import grammar_masked, refill_columns
 from stages.grammar import GrammarWalk
 from stages.head_drafter import Head, HeadDrafter
@@ -52,8 +53,9 @@ class TreeDrafter(HeadDrafter):
         scratch_start: int,
         sampled: bool = False,
         grammar_aware: bool = True,
+        graphs: Callable[[Forward], Forward] | None = None,  # models/graphs.py
     ):
-        super().__init__(head, cache, attention, max_rows, sampled, grammar_aware)
+        super().__init__(head, cache, attention, max_rows, sampled, grammar_aware, graphs)
         self.shape = shape
         self.target_cache = target_cache
         self.scratch_start = scratch_start  # the first scratch slot (scratch_slots)
@@ -118,7 +120,7 @@ class TreeDrafter(HeadDrafter):
             shared=keys.shared,
         )
         flat = x.features.reshape(b * m, -1)
-        hidden = self.head(x.ids.flatten(), flat, positions.flatten(), self._attention(small))
+        (hidden,) = self.run(x.ids.flatten(), positions.flatten(), small, flat)
         logits = self.head.logits(hidden)  # [B * m, V]
         return logits.float().view(b, m, -1), hidden.view(b, m, -1)
 

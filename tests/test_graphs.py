@@ -177,8 +177,10 @@ async def test_greedy_output_through_static_buffers_equals_plain(
             assert engine.stages.graph is not None and len(engine.stages.graph.steps) > 1
         else:
             assert len(verifier.inputs) > 1  # buckets ran
-        if method in ("draft", "mtp") or case == "eagle":  # the drafters' forwards too
+        if method in ("draft", "mtp", "eagle"):  # the drafters' forwards too, trees' levels
             assert isinstance(drafter.run, GraphedForward) and drafter.run.inputs
+            trees = [b for b in drafter.run.inputs if b.tree]
+            assert bool(trees) == ("tree" in case), trees
         await engine.wait_idle()
         assert engine.allocator.num_free == engine.allocator.num_pages
 
