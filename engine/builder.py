@@ -27,7 +27,7 @@ from engine.config import DEMO, QWEN_CODER, SMOLLM2, EngineConfig, SpecConfig
 from engine.cost import CALIBRATION_VERSION, CostModel, build_cost_model
 from engine.parallel import Group
 from engine.scheduler import Scheduler
-from engine.step_graph import StepGraph, one_token_step
+from engine.step_graph import StepGraph
 from kv.cache import KVCache
 from kv.pages import PageAllocator
 from kv.prefix import PrefixIndex
@@ -469,10 +469,9 @@ class Builder:
             return None
         if not all(isinstance(f, GraphedForward) for f in forwards):
             return None
-        body = one_token_step(stages)
         scratch = num_pages * self.config.kv.page_size  # the page cache_for adds
         capture = self.device.type == "cuda"
-        return StepGraph(body, self.device, scratch, self.config.max_running, capture)
+        return StepGraph(self.device, scratch, self.config.max_running, capture)
 
     def _draft_model(
         self,

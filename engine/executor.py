@@ -157,9 +157,20 @@ class Executor:
         with self._stage(plan, time, "upload", None, start):
             dev = unpack(plan, buffer, layout)
         with self._stage(plan, time, "step", dev) as fields:
-            verdict, columns = self.stages.graph(plan, dev)
+            verdict, columns = self.stages.graph(plan, dev, self._whole_step_body)
             fields["drafter_tokens"] = columns
         return Sampled(dev, None, verdict, refilled=columns)
+
+    def _whole_step_body(self, plan: Plan, dev: DevicePlan) -> tuple[Verdict, int]:
+        """The stages of `_to_sample` and `_refill` in their order, as one body: the insert
+        always (a sequence whose previous step the host saw moves by nothing), the draft, the
+        verify, the sample and the refill; the verdict and the refill's columns."""
+        s = self.stages
+        last_token = next_tokens(dev, s.insert, s.history.accepted, s.history.tokens, True)
+        drafts = s.drafter.propose(plan, dev)
+        out = s.verifier(plan, dev, drafts, last_token)
+        verdict = s.sampler(plan, dev, out, drafts)
+        return verdict, s.refiller(plan, dev, out, verdict)
 
     def _to_sample(
         self,

@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -37,16 +37,13 @@ from core.attention_metadata import AttentionMetadata, SharedKeys
 from core.params import SamplingTensors
 from core.step import DevicePlan, Plan, StepKind, Verdict
 from models.graphs import BATCH_BUCKETS, MIN_KEYS, whole_step
-from stages.insert import next_tokens
-
-if TYPE_CHECKING:
-    from engine.builder import DeviceStages
 
 log = logging.getLogger("tandem.engine")
 
 WARM_UPS = 2  # eager steps of a key before it is captured
 
-# (plan, device plan) -> (verdict, the drafter's refill columns): the step's device stages
+# (plan, device plan) -> (verdict, the drafter's refill columns): the step's device stages, in
+# the executor's order (Executor._whole_step_body)
 Body = Callable[[Plan, DevicePlan], tuple[Verdict, int]]
 
 
@@ -158,10 +155,7 @@ class StepGraph:
     """The body run over a key's static plan: captured and replayed on CUDA (`capture`),
     eager elsewhere."""
 
-    def __init__(
-        self, body: Body, device: torch.device, scratch_slot: int, scratch_row: int, capture: bool
-    ):
-        self.body = body
+    def __init__(self, device: torch.device, scratch_slot: int, scratch_row: int, capture: bool):
         self.device = device
         self.scratch_slot = scratch_slot
         self.scratch_row = scratch_row
@@ -185,8 +179,9 @@ class StepGraph:
             self.eager += 1
         return taken
 
-    def __call__(self, plan: Plan, dev: DevicePlan) -> tuple[Verdict, int]:
-        """The step's verdict (its sequences' rows) and the refill's columns."""
+    def __call__(self, plan: Plan, dev: DevicePlan, body: Body) -> tuple[Verdict, int]:
+        """The step's verdict (its sequences' rows) and the refill's columns, `body` run over
+        the key's static plan (the same body at every call)."""
         key = self.key_of(plan)
         step = self.steps.get(key)
         if step is None:
@@ -195,13 +190,13 @@ class StepGraph:
         runs = self.runs[key] = self.runs.get(key, 0) + 1
         if not self.capture:
             with whole_step():
-                verdict, columns = self.body(step.plan, step.dev)
+                verdict, columns = body(step.plan, step.dev)
             return _rows(verdict, b, clone=False), columns
         if key not in self.graphs and runs <= WARM_UPS:
-            verdict, columns = self._warm_up(step)
+            verdict, columns = self._warm_up(step, body)
             return _rows(verdict, b, clone=True), columns
         if key not in self.graphs:  # the capture runs nothing: the step is still to run
-            self.graphs[key] = self._captured(step)
+            self.graphs[key] = self._captured(step, body)
         graph, verdict, columns = self.graphs[key]
         graph.replay()
         return _rows(verdict, b, clone=True), columns
@@ -213,17 +208,17 @@ class StepGraph:
             keys *= 2
         return StepKey(seqs, keys, sampling_flags(plan.sampling))
 
-    def _warm_up(self, step: StaticStep) -> tuple[Verdict, int]:
+    def _warm_up(self, step: StaticStep, body: Body) -> tuple[Verdict, int]:
         """One eager step on a side stream, which the compute stream then waits for."""
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
         with torch.cuda.stream(side), whole_step():
-            result = self.body(step.plan, step.dev)
+            result = body(step.plan, step.dev)
         current.wait_stream(side)
         return result
 
-    def _captured(self, step: StaticStep) -> tuple[torch.cuda.CUDAGraph, Verdict, int]:
+    def _captured(self, step: StaticStep, body: Body) -> tuple[torch.cuda.CUDAGraph, Verdict, int]:
         """The key's graph and its outputs, captured on the current stream (the engine's
         compute stream) without a host synchronisation; timed, its memory logged."""
         if self.pool is None:
@@ -233,7 +228,7 @@ class StepGraph:
         graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
         try:
             with whole_step():
-                verdict, columns = self.body(step.plan, step.dev)
+                verdict, columns = body(step.plan, step.dev)
         finally:
             graph.capture_end()
         added = torch.cuda.memory_reserved(self.device) - before
@@ -257,19 +252,3 @@ def _rows(verdict: Verdict, b: int, clone: bool) -> Verdict:
         if isinstance(getattr(verdict, f.name), torch.Tensor)
     }
     return dataclasses.replace(verdict, **values)
-
-
-def one_token_step(stages: DeviceStages) -> Body:
-    """The step's device stages in the executor's order, as one body: the insert (always: a
-    sequence whose previous step the host saw moves by nothing), the head's draft, the
-    verify, the sample and the refill."""
-    history = stages.history
-
-    def body(plan: Plan, dev: DevicePlan) -> tuple[Verdict, int]:
-        last_token = next_tokens(dev, stages.insert, history.accepted, history.tokens, True)
-        drafts = stages.drafter.propose(plan, dev)
-        out = stages.verifier(plan, dev, drafts, last_token)
-        verdict = stages.sampler(plan, dev, out, drafts)
-        return verdict, stages.refiller(plan, dev, out, verdict)
-
-    return body

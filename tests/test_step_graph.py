@@ -6,17 +6,26 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 
 import pytest
 import torch
 
-from core.params import SamplingParams
+from core.params import Grammar, SamplingParams
+from engine.config import EngineConfig, SpecConfig
 from engine.step_graph import StepGraph
 from models.graphs import GraphedForward
 from models.loader import load_model
 from models.mtp import save_mtp_head
 from tests.conftest import CaptureGuard
-from tests.engine_util import make_config, ragged_prompts, running, staggered, token_ids
+from tests.engine_util import (
+    heldout,
+    make_config,
+    ragged_prompts,
+    running,
+    staggered,
+    token_ids,
+)
 from tests.tiny import random_mtp_head
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -129,3 +138,30 @@ def test_a_step_graph_is_made_for_one_token_mtp_alone(tiny_target, mtp_head):
     assert graph_of(one_token(tiny_target, mtp_head, "off")) is None
     k2 = make_config(tiny_target, "mtp", mtp_head, k=2, cuda_graphs="on")
     assert graph_of(k2) is None
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+JSON = SamplingParams(
+    max_tokens=24, temperature=0, grammar=Grammar("json_schema", json.dumps(SCHEMA))
+)
+
+
+async def test_a_grammar_runs_stage_by_stage():
+    """The demo target with its MTP head at k = 1: a request with a JSON schema (its masks
+    are walked on the host) runs its steps eagerly, and answers as without graphs."""
+    prompt = heldout(1)[0]
+    spec = SpecConfig("mtp", num_speculative_tokens=1, adaptive_k=False)
+
+    async def answer(graphs: str):
+        async with running(EngineConfig("demo", spec, cuda_graphs=graphs)) as engine:
+            plain = token_ids(await engine.generate(prompt, GREEDY))
+            eager = engine.stages.graph.eager if engine.stages.graph else None
+            out = await engine.generate(prompt, JSON)
+            graph = engine.stages.graph
+            return plain, eager, out, graph.eager if graph else None
+
+    plain, before, out, after = await answer("on")
+    assert before == 0 and after > 0  # whole steps, then the grammar's eager ones
+    json.loads("".join(d.text for d in out))
+    eager_plain, _, eager_out, _ = await answer("off")
+    assert plain == eager_plain and token_ids(out) == token_ids(eager_out)
