@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, for a machine with CUDA, torch and Triton but no package registry (README,
 # "The GPU check"). It installs only the wheels it carries (.gpu/wheels.tar.xz, made by
-# tests/gpu/wheels.py) and runs each step under its own timeout, in about 5 minutes:
+# tests/gpu/wheels.py) and runs each step under its own timeout, in about 5 minutes, the
+# graphs' timings first:
 #   env         the machine, the image's packages (tests/gpu/image.txt), the carried wheels
 #               resolved offline against them (pip --dry-run --no-index), then installed
 #   triton      the Triton insert kernel, compiled, against the torch one
@@ -11,13 +12,15 @@
 #   no-sync     MTP's one-token mode: no device stage of a decode step synchronises
 #   server      one request to server.py
 #   steps       decode and verify forwards of a SmolLM2-shaped model, bfloat16, batch 1 and 16
-#   graphs      CUDA graphs: every drafter's greedy output with graphs equal to eager
-#   graph-times forwards and the whole engine, graphs against eager (SmolLM2-shaped)
+#   graphs      CUDA graphs: every drafter's greedy output with graphs equal to eager, with
+#               torch's attention and FlashInfer's, MTP's one-token step as one graph
+#   graph-times forwards and the whole engine, graphs against eager (SmolLM2-shaped), first
 # --dry-run runs on the CPU every step that has a CPU form (tiny models, the Triton kernel
 # interpreted, FlashInfer's metadata, the fake device's sync guard, the graphs' static buffers
 # run eagerly) and names those it skips. `--only graphs` (after --dry-run, if given) runs the
-# environment and the two graphs steps alone, in about 3 minutes. Where $OUT is set, the log
-# and image.txt are written there too.
+# environment, the graphs' timings, FlashInfer's compile (24 s on an H200) and the graphs step
+# alone, in about 5 minutes (its steps' limits: 690 s). Where $OUT is set, the log and
+# image.txt are written there too, each step's lines as it runs.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DRY=0
@@ -79,13 +82,16 @@ if [ $DRY = 0 ]; then  # FlashInfer builds for this GPU alone, on every core
     export FLASHINFER_CUDA_ARCH_LIST
 fi
 if [ $DRY = 1 ]; then export TANDEM_CHECK_DEVICE=cpu TRITON_INTERPRET=1; fi
+# the graphs' timings first: on a lent GPU's few minutes they are what is asked for first
 if [ "$ONLY" = graphs ] && [ $DRY = 1 ]; then
-    step graphs 300 $PYTEST tests/gpu/test_graphs.py
     step graph-times 120 $PY tests/gpu/graph_times.py --device cpu --repeats 2 --tokens 4 \
         --batches 1 2
+    skip compile "FlashInfer compiles CUDA kernels"
+    step graphs 300 $PYTEST tests/gpu/test_graphs.py
 elif [ "$ONLY" = graphs ]; then
-    step graphs 150 $PYTEST tests/gpu/test_graphs.py
     step graph-times 150 $PY tests/gpu/graph_times.py --repeats 20
+    step compile 240 $PY tests/gpu/compile_flashinfer.py
+    step graphs 180 $PYTEST tests/gpu/test_graphs.py
 elif [ $DRY = 1 ]; then
     step triton 120 $PYTEST tests/test_insert.py -k triton
     skip compile "FlashInfer compiles CUDA kernels"
@@ -99,15 +105,15 @@ elif [ $DRY = 1 ]; then
     step graph-times 120 $PY tests/gpu/graph_times.py --device cpu --repeats 2 --tokens 4 \
         --batches 1 2
 else
+    step graph-times 150 $PY tests/gpu/graph_times.py --repeats 20
     step triton 120 $PYTEST tests/test_insert.py -k triton
     step no-sync 120 $PYTEST tests/gpu/test_no_sync.py
     step compile 240 $PY tests/gpu/compile_flashinfer.py
     step flashinfer 120 $PYTEST tests/gpu/test_flashinfer.py
+    step graphs 180 $PYTEST tests/gpu/test_graphs.py
     step engine 240 $PYTEST tests/gpu/test_engine.py
     step server 120 $PYTEST tests/gpu/test_server.py
     step steps 120 $PY tests/gpu/step_times.py --repeats 20
-    step graphs 150 $PYTEST tests/gpu/test_graphs.py
-    step graph-times 150 $PY tests/gpu/graph_times.py --repeats 20
 fi
 if [ ${#failed[@]} = 0 ]; then say "GPU check passed"; else
     say "GPU check FAILED: ${failed[*]}"
