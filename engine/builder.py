@@ -463,11 +463,10 @@ class Builder:
     def step_graph(self, stages: DeviceStages, num_pages: int) -> StepGraph | None:
         """MTP's one-token step as one graph (engine/step_graph.py), where every forward in
         it runs over static buffers: with --cuda-graphs, in one-token mode, no MoE layer."""
-        drafter = stages.drafter
-        forwards = (stages.verifier.run, getattr(drafter, "run", None))
+        forwards = (stages.verifier.run, getattr(stages.drafter, "run", None))
         if not self.config.spec.one_token_mode:
             return None
-        if not all(isinstance(f, GraphedForward) for f in forwards):
+        if not all(isinstance(f, GraphedForward) for f in forwards):  # MoE layers run eager
             return None
         scratch = num_pages * self.config.kv.page_size  # the page cache_for adds
         capture = self.device.type == "cuda"

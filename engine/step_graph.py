@@ -8,13 +8,13 @@ one CUDA graph per key and replayed each step: one launch where the stages made 
 The host reads the verdict one step late, as the pipelined loop does anyway.
 
 A key is a bucket (sequences up to one of BATCH_BUCKETS, keys up to a power of two, as the
-forwards' graphs have them: models/graphs.py) and the batch's sampling flags, which choose the
-sampler's code path. Each step's DevicePlan is copied into its key's static one: rows past the
-batch take the scratch row of the per-request state, the KV cache's scratch slot and the first
-row's sampling parameters (so that the flags hold for them too). A key's first WARM_UPS steps
-run eagerly over the static plan (on a side stream: what initialises lazily does so outside the
-capture), then the key is captured; on the CPU every step runs eagerly over the static plan, so
-the tests hold what is captured to plain decoding.
+forwards' graphs have them: models/graphs.py), the step's width and the batch's sampling
+flags, which choose the sampler's code path. Each step's DevicePlan is copied into its key's
+static one: rows past the batch take the scratch row of the per-request state, the KV cache's
+scratch slot and the first row's sampling parameters (so that the flags hold for them too). A
+key's first WARM_UPS steps run eagerly over the static plan (on a side stream: what
+initialises lazily does so outside the capture), then the key is captured; on the CPU every
+step runs eagerly over the static plan, so the tests hold what is captured to plain decoding.
 
 Steps that run the stages one by one instead (`takes`): prefills, a batch past the largest
 bucket, and any batch with a request that has a grammar (its masks are walked on the host) or
@@ -50,6 +50,7 @@ Body = Callable[[Plan, DevicePlan], tuple[Verdict, int]]
 @dataclass(frozen=True)
 class StepKey:
     seqs: int  # sequences the bucket holds
+    width: int  # rows a sequence: k + 1 (2 in one-token mode)
     keys: int  # key slots a sequence
     flags: tuple[bool, ...]  # the sampling flags (sampling_flags)
 
@@ -206,7 +207,7 @@ class StepGraph:
         keys = MIN_KEYS
         while keys < plan.max_kv:
             keys *= 2
-        return StepKey(seqs, keys, sampling_flags(plan.sampling))
+        return StepKey(seqs, plan.width, keys, sampling_flags(plan.sampling))
 
     def _warm_up(self, step: StaticStep, body: Body) -> tuple[Verdict, int]:
         """One eager step on a side stream, which the compute stream then waits for."""
