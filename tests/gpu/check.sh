@@ -93,6 +93,8 @@ elif [ "$ONLY" = graphs ]; then
     step compile 240 $PY tests/gpu/compile_flashinfer.py
     step graphs 180 $PYTEST tests/gpu/test_graphs.py
 elif [ $DRY = 1 ]; then
+    step graph-times 120 $PY tests/gpu/graph_times.py --device cpu --repeats 2 --tokens 4 \
+        --batches 1 2
     step triton 120 $PYTEST tests/test_insert.py -k triton
     skip compile "FlashInfer compiles CUDA kernels"
     step flashinfer 120 $PYTEST tests/test_masks.py tests/test_attention.py \
@@ -102,8 +104,6 @@ elif [ $DRY = 1 ]; then
     step server 180 $PYTEST tests/gpu/test_server.py
     skip steps "times CUDA forwards"
     step graphs 300 $PYTEST tests/gpu/test_graphs.py
-    step graph-times 120 $PY tests/gpu/graph_times.py --device cpu --repeats 2 --tokens 4 \
-        --batches 1 2
 else
     step graph-times 150 $PY tests/gpu/graph_times.py --repeats 20
     step triton 120 $PYTEST tests/test_insert.py -k triton
