@@ -67,7 +67,7 @@ class FlashInferWrappers:
         self.copied: list[torch.cuda.Event | None] = [None] * self.RING
         self.planned = -1  # index of the wrapper holding the latest plan
         self.workspace = workspace
-        self.buckets: dict[tuple[int, int, int], Any] = {}  # static forwards' (`static`)
+        self.buckets: dict[tuple[int, ...], Any] = {}  # static forwards' wrappers (`static`)
 
     def plan(
         self,
@@ -82,21 +82,7 @@ class FlashInferWrappers:
         if copied is not None and not copied.query():
             copied.synchronize()
         packed = None if tree_mask is None else tree_mask[0]
-        wrapper.plan(
-            qo_indptr,
-            kv_indptr,
-            kv_indices,
-            kv_last_page_len,
-            self.num_q_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.page_size,
-            packed_custom_mask=packed,
-            causal=tree_mask is None,
-            q_data_type=self.dtype,
-            kv_data_type=self.dtype,
-            non_blocking=True,
-        )
+        self._plan(wrapper, (qo_indptr, kv_indptr, kv_indices, kv_last_page_len), packed, True)
         if tree_mask is not None:
             # Given a packed mask, FlashInfer keeps the per-request offsets it computed in bits,
             # while its kernel reads them as bytes (flashinfer-ai/flashinfer#2201); hand it the
@@ -145,23 +131,30 @@ class FlashInferWrappers:
             mask_indptr_buf=buffer(rows + 1),
             backend="fa2",
         )
+        self._plan(wrapper, (qo_indptr, kv_indptr, kv_indices, kv_last_page_len), packed, False)
+        wrapper._mask_indptr_buf.copy_(offsets)  # bytes, not bits: as in plan (#2201)
+        self.buckets[key] = wrapper
+        return wrapper
+
+    def _plan(
+        self,
+        wrapper: Any,
+        csr: tuple[torch.Tensor, ...],  # (qo_indptr, kv_indptr, kv_indices, kv_last_page_len)
+        packed: torch.Tensor | None,  # a packed custom mask; None: causal
+        non_blocking: bool,
+    ) -> None:
         wrapper.plan(
-            qo_indptr,
-            kv_indptr,
-            kv_indices,
-            kv_last_page_len,
+            *csr,
             self.num_q_heads,
             self.num_kv_heads,
             self.head_dim,
             self.page_size,
             packed_custom_mask=packed,
-            causal=False,
+            causal=packed is None,
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
+            non_blocking=non_blocking,
         )
-        wrapper._mask_indptr_buf.copy_(offsets)  # bytes, not bits: as in plan (#2201)
-        self.buckets[key] = wrapper
-        return wrapper
 
     def bind(
         self, cache: KVCache, slot_mapping: torch.Tensor, q_index: torch.Tensor | None = None
