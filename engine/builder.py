@@ -221,8 +221,7 @@ class Builder:
             prefixes = PrefixIndex(config.kv.page_size, pairs_ahead=spec.head == "eagle")
         allocator = PageAllocator(num_pages, prefixes)
         cache = self.cache_for(model, num_pages)
-        rows = config.max_running + config.graphs  # with graphs, the padding rows' scratch row
-        history = TokenHistory(rows, max_model_len + 2 * k + 4, self.device)
+        history = TokenHistory(self.rows, max_model_len + 2 * k + 4, self.device)
         drafter = self.drafter(spec, model, cache, attention, num_pages, history)
         release_freed_memory()  # loading's temporaries, before the engine settles
         cost = None
@@ -282,6 +281,12 @@ class Builder:
             if config.quantized and is_gguf(model_dir)
             else [],
         )
+
+    @property
+    def rows(self) -> int:
+        """Rows of the per-request device state (token history, drafters' deferred outputs):
+        one a running request, and with graphs one more, the padding rows' scratch row."""
+        return self.config.max_running + self.config.graphs
 
     def attention(self, head_dim: int) -> AttentionBackend:
         """The backend every forward runs; FlashInfer's kernels are built for some head sizes
@@ -392,8 +397,7 @@ class Builder:
         history: TokenHistory,
     ) -> Drafter:
         """The drafter for `spec.method`; its cache shares the target's page ids."""
-        rows = self.config.max_running + self.config.graphs  # as the token history's
-        sampled = spec.sampled_drafts
+        rows, sampled = self.rows, spec.sampled_drafts
         aware = spec.grammar_drafting
         if spec.method == "none":
             return NoDrafter()

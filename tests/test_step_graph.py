@@ -19,6 +19,8 @@ from models.loader import load_model
 from models.mtp import save_mtp_head
 from tests.conftest import CaptureGuard
 from tests.engine_util import (
+    ROUNDING,
+    assert_departs_only_at_near_ties,
     heldout,
     make_config,
     ragged_prompts,
@@ -86,6 +88,21 @@ async def test_one_token_steps_run_whole_and_equal_plain(
         assert not engine.stages.verifier.run.inputs
         await engine.wait_idle()
         assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+async def test_half_precision_steps_in_one_graph_equal_the_stages_one_by_one(
+    tiny_target, mtp_head, ragged16, dtype, forbid_capture_breaks
+):
+    """In float16 and bfloat16, every step whole: the stages' greedy tokens one by one but at
+    a near-tie of their top two logits (a padded batch may round apart)."""
+    logprobs = dataclasses.replace(GREEDY, logprobs=2)
+    async with running(one_token(tiny_target, mtp_head, "off", dtype=dtype)) as engine:
+        eager = [await engine.generate(p, logprobs) for p in ragged16]
+    async with running(one_token(tiny_target, mtp_head, "on", dtype=dtype)) as engine:
+        whole = await staggered(engine, ragged16, GREEDY, seed=5)
+        assert engine.stages.graph is not None and not engine.stages.graph.eager
+    assert_departs_only_at_near_ties(eager, whole, ROUNDING[dtype], dtype)
 
 
 async def test_sampled_seeded_steps_in_one_graph_equal_the_stages_one_by_one(
